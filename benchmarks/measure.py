@@ -1,0 +1,37 @@
+"""Measuring a training step: saved activation bytes (the CPU's stand-in for peak memory)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+class SavedActivationMeter:
+    """Bytes autograd keeps for backward while the block is active.
+
+    Counted per storage, so views of one tensor count once; parameters (saved by every
+    Linear) are left out. Checkpoint inputs are seen too: both checkpoint flavours save them
+    through `save_for_backward` outside their own hooks.
+    """
+
+    def __init__(self, parameters: Iterable[torch.Tensor]) -> None:
+        self._skip = {p.untyped_storage().data_ptr() for p in parameters}
+        self._seen: set[int] = set()
+        self.bytes = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self._skip and ptr not in self._seen:
+            self._seen.add(ptr)
+            self.bytes += storage.nbytes()
+        return tensor
+
+    def __enter__(self) -> SavedActivationMeter:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)

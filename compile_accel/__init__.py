@@ -1,0 +1,14 @@
+"""compile_accel: torch.compile for diffusion-transformer LoRA training.
+
+    import compile_accel
+    acc = compile_accel.apply(model, compile_accel.CompileConfig(mode="blocks", activation_memory_budget=0.5))
+    ...train...
+    print(acc.stats()); acc.restore()
+"""
+
+from .api import Acceleration, apply
+from .blocks import BlockList, find_block_lists
+from .config import CompileConfig
+
+__all__ = ["Acceleration", "BlockList", "CompileConfig", "apply", "find_block_lists"]
+__version__ = "0.1.0"

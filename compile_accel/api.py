@@ -1,0 +1,154 @@
+"""`apply(model, config)`: compile a model's repeated blocks in place, and undo it."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from . import checkpointing
+from .blocks import BlockList, resolve_block_lists
+from .config import CompileConfig
+from .regions import CompiledFunction, Region, restore_forward
+from .selective import is_excluded, region_modules
+from .stats import Stats
+
+_MARK = "_compile_accel"
+
+
+@dataclasses.dataclass
+class _EagerPatch:
+    """An excluded submodule inside a region: its forward runs eager behind a graph break."""
+
+    module: nn.Module
+    forward: Callable
+
+    def install(self) -> None:
+        self.module.forward = torch._dynamo.disable(self.forward, recursive=True)
+
+    def uninstall(self) -> None:
+        restore_forward(self.module, self.forward)
+
+
+class Acceleration:
+    """What `apply` did to a model: its regions, their counters, and how to undo it."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: CompileConfig,
+        block_lists: list[BlockList],
+        regions: list[Region],
+        eager_patches: list[_EagerPatch],
+        switches: list[checkpointing.CheckpointSwitch],
+        stats: Stats,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.block_lists = block_lists
+        self.regions = regions
+        self._eager_patches = eager_patches
+        self._switches = switches
+        self._stats = stats
+        self._restored = False
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since apply(): regions, compiled_regions, unique_graphs, recompiles,
+        graph_breaks, compile_seconds, fallbacks, eager_nonresident_calls, and more."""
+        return {"mode": self.config.mode, **self._stats.as_dict()}
+
+    def restore(self) -> None:
+        """Put the model back to plain eager execution (and its checkpointing as it was)."""
+        if self._restored:
+            return
+        for region in self.regions:
+            region.uninstall()
+        for patch in self._eager_patches:
+            patch.uninstall()
+        for switch in self._switches:
+            switch.restore()
+        self.model.__dict__.pop(_MARK, None)
+        self._restored = True
+
+    def __repr__(self) -> str:
+        return f"Acceleration(mode={self.config.mode!r}, regions={len(self.regions)}, blocks={[b.path for b in self.block_lists]})"
+
+
+def _check_model(model: nn.Module) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"apply() takes an nn.Module, got {type(model).__name__}")
+    if _MARK in model.__dict__:
+        raise RuntimeError(
+            f"compile_accel.apply() was already called on this {type(model).__name__}; "
+            "call .restore() on the Acceleration it returned before applying again"
+        )
+    meta = [name for name, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise ValueError(
+            f"{type(model).__name__} has parameters on the meta device ({meta[0]}, ...); "
+            "load or materialise the weights (e.g. model.to_empty(device=...)) before apply()"
+        )
+
+
+def _check_backend(config: CompileConfig) -> None:
+    try:
+        torch._dynamo.lookup_backend(config.backend)
+    except Exception:
+        raise ValueError(
+            f"CompileConfig.backend {config.backend!r} is not a torch.compile backend; "
+            f"known: {torch._dynamo.list_backends()}"
+        ) from None
+
+
+def apply(
+    model: nn.Module,
+    config: CompileConfig | None = None,
+    blocks: Sequence[str | nn.ModuleList] | None = None,
+) -> Acceleration:
+    """Compile `model`'s repeated blocks in place and return the Acceleration.
+
+    Call it after LoRA/adapters are applied and before the first training step. It changes
+    no parameter and no state-dict key. A second call on the same model raises; call
+    `restore()` first. Bad input raises before anything is changed.
+    """
+    config = config or CompileConfig()
+    config.validate()
+    _check_model(model)
+    if config.mode != "off":
+        _check_backend(config)
+    block_lists = resolve_block_lists(model, blocks)
+
+    stats = Stats()
+    shared: dict[Callable, CompiledFunction] = {}
+    regions = []
+    for name, module in region_modules(config.mode, block_lists, config.exclude):
+        fn = getattr(module.forward, "__func__", module.forward)
+        if fn not in shared:
+            shared[fn] = CompiledFunction(fn, config, stats)
+        regions.append(Region(name, module, shared[fn], config))
+    eager_patches = [
+        _EagerPatch(sub, sub.forward)
+        for region in regions
+        for sub_name, sub in region.module.named_modules(prefix=region.name)
+        if sub is not region.module and is_excluded(sub_name, config.exclude)
+    ]
+    switches = (
+        checkpointing.find_checkpoint_switches(model, block_lists)
+        if config.mode == "blocks" and config.activation_memory_budget is not None
+        else []
+    )
+
+    # Everything above only looked; from here on the model changes.
+    checkpointing.turn_off(switches)
+    stats.regions = len(regions)
+    stats.checkpointing_switched_off = [s.name for s in switches]
+    for patch in eager_patches:
+        patch.install()
+    for region in regions:
+        region.install()
+    acceleration = Acceleration(model, config, block_lists, regions, eager_patches, switches, stats)
+    model.__dict__[_MARK] = acceleration
+    return acceleration

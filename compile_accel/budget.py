@@ -1,0 +1,98 @@
+"""The backend every region compiles through, and the activation memory budget it applies.
+
+`torch._functorch.config.activation_memory_budget` is read by the min-cut partitioner while a
+graph is compiled. Patching it around a region's first call only holds until that region
+recompiles (a new shape, a new bucket); the backend below applies it inside every compile
+of the region instead, so the budget is part of that region and nothing global changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+import torch._functorch.config
+import torch.fx
+import torch.utils._pytree as pytree
+
+from .config import CompileConfig
+from .stats import Stats
+
+
+class RegionNotCompilable(RuntimeError):
+    """A region's graph holds something inductor cannot lower well; it runs eager instead."""
+
+
+def _complex_op(gm: torch.fx.GraphModule) -> str | None:
+    for node in gm.graph.nodes:
+        for value in pytree.tree_leaves(node.meta.get("example_value")):
+            if isinstance(value, torch.Tensor) and value.is_complex():
+                return node.format_node() if node.op != "placeholder" else f"complex input {node.name}"
+    return None
+
+
+def _signature(gm: torch.fx.GraphModule) -> tuple:
+    """What a graph was compiled for: its frame, input names/shapes/strides/dtypes/requires_grad, grad
+    mode and autocast. A second graph with the same signature is a wasted recompile."""
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    inputs = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.Tensor):
+            inputs.append((node.name, str(tuple(value.shape)), str(value.stride()), value.dtype, value.requires_grad))
+        else:
+            inputs.append((node.name, type(value).__name__))
+    autocast = tuple(torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None for d in ("cuda", "cpu"))
+    frame = compile_id.frame_id if compile_id is not None else None
+    return (frame, tuple(inputs), torch.is_grad_enabled(), autocast)
+
+
+def _has_checkpoint(gm: torch.fx.GraphModule) -> bool:
+    return any(
+        getattr(node.target, "__name__", "") == "tag_activation_checkpoint"
+        for node in gm.graph.nodes
+        if node.op == "call_function"
+    )
+
+
+def _inner_backend(config: CompileConfig) -> Callable:
+    if config.backend == "inductor" and config.compile_mode is not None:
+        return torch._TorchCompileInductorWrapper(config.compile_mode, None, config.dynamic)
+    return torch._dynamo.lookup_backend(config.backend)
+
+
+class RegionBackend:
+    """torch.compile backend for one compiled function (shared by all its regions).
+
+    Per graph it: refuses complex-dtype graphs (inductor has no code generation for complex
+    ops), notes a checkpoint still inside a budgeted block, counts the graph and whether it
+    is a recompile, and compiles with the budget patched in.
+    """
+
+    def __init__(self, config: CompileConfig, stats: Stats) -> None:
+        self.inner = _inner_backend(config)
+        self.budget = config.activation_memory_budget
+        self.stats = stats
+        self.saw_checkpoint = False
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        op = _complex_op(gm)
+        if op is not None:
+            raise RegionNotCompilable(
+                f"complex-dtype values ({op}); inductor cannot generate code for complex operators. "
+                "Rewrite the rotary embedding in real arithmetic, or exclude the submodule that uses it "
+                "(CompileConfig.exclude)"
+            )
+        if self.budget is not None and _has_checkpoint(gm):
+            self.saw_checkpoint = True
+        self.stats.record_graph(_signature(gm))
+        budget = (
+            torch._functorch.config.patch(activation_memory_budget=self.budget)
+            if self.budget is not None
+            else contextlib.nullcontext()
+        )
+        with budget:
+            return self.inner(gm, example_inputs)

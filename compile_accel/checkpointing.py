@@ -1,0 +1,57 @@
+"""Switching a model's own gradient checkpointing off for blocks that get a memory budget.
+
+A checkpoint inside (or around) a budgeted block makes the partitioner's choice moot: it
+discards every activation and recomputes the whole block. Trainers switch checkpointing with
+a `gradient_checkpointing` flag, either on each block (kohya sd-scripts' mixins) or on the
+module that loops over the blocks (diffusers models); both are turned off here and put back
+by `restore()`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from .blocks import BlockList
+
+logger = logging.getLogger("compile_accel")
+
+
+@dataclass
+class CheckpointSwitch:
+    name: str
+    module: nn.Module
+
+    def turn_off(self) -> None:
+        self.module.gradient_checkpointing = False
+
+    def restore(self) -> None:
+        self.module.gradient_checkpointing = True
+
+
+def _ancestors(model: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
+    parts = path.split(".")
+    prefixes = [".".join(parts[:i]) for i in range(len(parts))]
+    return [(prefix or type(model).__name__, model.get_submodule(prefix)) for prefix in prefixes]
+
+
+def find_checkpoint_switches(model: nn.Module, block_lists: list[BlockList]) -> list[CheckpointSwitch]:
+    """Every block, and every module above a block list, whose `gradient_checkpointing` is True."""
+    candidates: dict[int, CheckpointSwitch] = {}
+    for block_list in block_lists:
+        for name, module in [*_ancestors(model, block_list.path), *block_list.named_blocks()]:
+            if getattr(module, "gradient_checkpointing", None) is True:
+                candidates.setdefault(id(module), CheckpointSwitch(name, module))
+    return list(candidates.values())
+
+
+def turn_off(switches: list[CheckpointSwitch]) -> None:
+    for switch in switches:
+        switch.turn_off()
+    if switches:
+        logger.info(
+            "activation memory budget replaces checkpointing: turned gradient_checkpointing off on %s",
+            ", ".join(s.name for s in switches),
+        )

@@ -1,0 +1,121 @@
+"""`compile-accel doctor` and `compile-accel bench`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+
+def _check_compile(device: str) -> str | None:
+    """Compile and run a small function with inductor; the error text if that fails."""
+    import torch
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(x @ x.T).sum(-1)
+
+    try:
+        x = torch.randn(16, 16, device=device)
+        torch.testing.assert_close(torch.compile(f, backend="inductor")(x), f(x), rtol=1e-3, atol=1e-3)
+    except Exception as error:  # noqa: BLE001 - any failure means this setup cannot compile
+        return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+    return None
+
+
+def doctor(args: argparse.Namespace) -> int:
+    import torch
+    import torch._inductor.config
+
+    from . import dynamo_settings as ds
+
+    problems = []
+    print(f"torch            {torch.__version__}")
+    try:
+        import triton
+
+        print(f"triton           {triton.__version__}")
+    except ImportError:
+        print("triton           not installed")
+        if torch.cuda.is_available():
+            problems.append("triton is missing: inductor cannot generate GPU kernels (pip install triton)")
+    cxx = torch._inductor.config.cpp.cxx[0] or "g++"
+    cxx_path = shutil.which(cxx) or shutil.which("c++") or shutil.which("cl")
+    print(f"C++ compiler     {cxx_path or 'not found'}")
+    if cxx_path is None:
+        problems.append("no C++ compiler: inductor needs one for CPU code and its wrappers (gcc/g++, or MSVC on Windows)")
+    if torch.cuda.is_available():
+        print(f"GPU              {torch.cuda.get_device_name()} (CUDA {torch.version.cuda})")
+    else:
+        print("GPU              none (CPU only)")
+    print(f"budget knob      {'yes' if ds.HAS_BUDGET_KNOB else 'no'} (torch._functorch.config.activation_memory_budget)")
+    print(f"per-thread config {'yes' if ds.PER_THREAD_DYNAMO_CONFIG else 'no'} (dynamo config is per thread since 2.12)")
+    print(f"recompile_limit= {'yes' if ds.COMPILE_TAKES_RECOMPILE_LIMIT else 'no'} (torch.compile(recompile_limit=...))")
+    print(f"cache artifacts  {'yes' if ds.HAS_CACHE_ARTIFACTS else 'no'} (torch.compiler.save_cache_artifacts)")
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    print(f"cache directory  {cache_dir()}")
+    if not ds.HAS_BUDGET_KNOB:
+        problems.append("this torch has no activation_memory_budget (needs torch >= 2.4)")
+    if cxx_path is not None or torch.cuda.is_available():
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        start = time.perf_counter()
+        error = _check_compile(device)
+        print(f"inductor check   {'ok' if error is None else 'FAILED'} on {device} ({time.perf_counter() - start:.1f} s)")
+        if error:
+            problems.append(f"inductor could not compile a small function on {device}: {error}")
+    for problem in problems:
+        print(f"problem: {problem}", file=sys.stderr)
+    print("usable" if not problems else "not usable")
+    return 1 if problems else 0
+
+
+def bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from .benchmarks import runner
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    modes = args.modes.split(",") if args.modes else runner.DEFAULT_MODES
+    try:
+        for mode in modes:
+            runner.parse_mode(mode)
+    except ValueError as error:
+        print(f"compile-accel bench: {error}", file=sys.stderr)
+        return 2
+    report = runner.run_ab(modes, device, args.steps, args.warmup, args.lora_rank,
+                           progress=lambda line: print(line, file=sys.stderr, flush=True))
+    env = report["environment"]
+    print(f"\nembedded DiT, LoRA r{args.lora_rank}, {device} ({env['device_name']}), torch {env['torch']}; "
+          f"median of {args.steps} steps after {args.warmup} warm-up\n")
+    print(runner.markdown_table(report))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench.json").write_text(json.dumps(report, indent=2))
+        (out / "bench.md").write_text(runner.markdown_table(report) + "\n")
+        print(f"\nwrote {out / 'bench.json'} and {out / 'bench.md'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="compile-accel", description="torch.compile for diffusion-transformer LoRA training")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("doctor", help="check this setup: torch, triton, compiler, GPU, supported features")
+    b = sub.add_parser("bench", help="A/B compile settings on an embedded small DiT with LoRA")
+    b.add_argument("--modes", help="comma-separated, e.g. eager+ckpt,selective+ckpt,blocks+budget=0.5")
+    b.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if present, else cpu")
+    b.add_argument("--steps", type=int, default=8, help="timed steps per mode (median reported)")
+    b.add_argument("--warmup", type=int, default=2, help="steps after the first (compile) step before timing")
+    b.add_argument("--lora-rank", type=int, default=16)
+    b.add_argument("--out", help="directory for bench.json and bench.md")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    return {"doctor": doctor, "bench": bench}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""CompileConfig: what to compile and how. Validated once, before anything touches the model."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MODES = ("off", "selective", "blocks")
+INDUCTOR_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+@dataclass
+class CompileConfig:
+    """How `compile_accel.apply` accelerates a model.
+
+    mode: "off" leaves the model eager; "selective" compiles the compute children of each
+        repeated block while the block's own forward (and its checkpoint wrapper) stays eager;
+        "blocks" compiles each whole block.
+    activation_memory_budget: 0.0..1.0, "blocks" mode only. The min-cut partitioner keeps
+        this fraction of the block's activations for backward and recomputes the rest
+        (0.0 ~ full checkpointing, 1.0 ~ no recompute). A budget replaces the model's own
+        checkpointing of the compiled blocks. None keeps PyTorch's default and the model's
+        checkpointing as it is.
+    dynamic: None lets dynamo decide (one static graph, a dynamic one on the first new shape);
+        True marks the token dimension dynamic up front so aspect-ratio buckets share one
+        graph; False compiles one static graph per shape.
+    backend: a torch.compile backend name.
+    compile_mode: inductor mode ("default", "reduce-overhead", "max-autotune",
+        "max-autotune-no-cudagraphs"); inductor only.
+    fullgraph: refuse graph breaks inside a region (they become compile errors, and the
+        region falls back to eager with a warning).
+    recompile_limit: graphs dynamo may compile per region function before it gives up;
+        hitting it is warned about and counted.
+    exclude: glob patterns of submodule names (as in `model.named_modules()`) that are never
+        compiled; inside a compiled region they run eager behind a graph break.
+    """
+
+    mode: str = "selective"
+    activation_memory_budget: float | None = None
+    dynamic: bool | None = None
+    backend: str = "inductor"
+    compile_mode: str | None = None
+    fullgraph: bool = False
+    recompile_limit: int = 64
+    exclude: list[str] = field(default_factory=list)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field and what it allows."""
+        if self.mode not in MODES:
+            raise ValueError(f"CompileConfig.mode must be one of {MODES}, got {self.mode!r}")
+        budget = self.activation_memory_budget
+        if budget is not None:
+            if isinstance(budget, bool) or not isinstance(budget, (int, float)) or math.isnan(budget):
+                raise ValueError(
+                    f"CompileConfig.activation_memory_budget must be a number in [0.0, 1.0] or None, got {budget!r}"
+                )
+            if not 0.0 <= budget <= 1.0:
+                raise ValueError(
+                    f"CompileConfig.activation_memory_budget must be in [0.0, 1.0], got {budget!r}"
+                )
+            if self.mode != "blocks":
+                raise ValueError(
+                    "CompileConfig.activation_memory_budget applies to mode='blocks' only "
+                    f"(got mode={self.mode!r}); selective regions sit inside an eager checkpoint "
+                    "that discards what the partitioner would save"
+                )
+        if self.dynamic not in (None, True, False):
+            raise ValueError(f"CompileConfig.dynamic must be None, True or False, got {self.dynamic!r}")
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ValueError(f"CompileConfig.backend must be a backend name, got {self.backend!r}")
+        if self.compile_mode is not None:
+            if self.backend != "inductor":
+                raise ValueError(
+                    f"CompileConfig.compile_mode applies to backend='inductor' only, got backend={self.backend!r}"
+                )
+            if self.compile_mode not in INDUCTOR_MODES:
+                raise ValueError(f"CompileConfig.compile_mode must be one of {INDUCTOR_MODES}, got {self.compile_mode!r}")
+        if not isinstance(self.fullgraph, bool):
+            raise ValueError(f"CompileConfig.fullgraph must be True or False, got {self.fullgraph!r}")
+        if isinstance(self.recompile_limit, bool) or not isinstance(self.recompile_limit, int) or self.recompile_limit < 1:
+            raise ValueError(f"CompileConfig.recompile_limit must be an int >= 1, got {self.recompile_limit!r}")
+        if isinstance(self.exclude, str) or not all(isinstance(p, str) for p in self.exclude):
+            raise ValueError(f"CompileConfig.exclude must be a list of glob patterns, got {self.exclude!r}")

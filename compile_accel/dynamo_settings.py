@@ -1,0 +1,46 @@
+"""Every dynamo knob compile_accel touches, in one place, and what this torch supports.
+
+Since torch 2.12 dynamo config is per thread: a value set on the main thread does not
+reach the autograd worker threads that run a reentrant checkpoint's recompute (and
+compile there). So the knobs are applied by `ensure_thread_settings()`, which every
+compiled region calls on its first call in each thread.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+
+import torch
+import torch._functorch.config
+
+_local = threading.local()
+
+
+def _version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+# torch.compile(recompile_limit=...) scopes the limit to one compiled function, in any thread.
+COMPILE_TAKES_RECOMPILE_LIMIT = "recompile_limit" in inspect.signature(torch.compile).parameters
+PER_THREAD_DYNAMO_CONFIG = _version() >= (2, 12)
+HAS_BUDGET_KNOB = hasattr(torch._functorch.config, "activation_memory_budget")
+HAS_CACHE_ARTIFACTS = hasattr(torch.compiler, "save_cache_artifacts")
+
+
+def ensure_thread_settings(recompile_limit: int) -> None:
+    """Apply compile_accel's dynamo knobs to the calling thread (once per thread and limit)."""
+    if getattr(_local, "limit", 0) >= recompile_limit:
+        return
+    config = torch._dynamo.config
+    # Blocks that read a per-instance Python int in forward (self.layer_id, self.idx) would
+    # otherwise be specialised per instance: one recompile per block until the limit, then
+    # silently eager. With this the int becomes a graph input and all blocks share a graph.
+    config.allow_unspec_int_on_nn_module = True
+    if not COMPILE_TAKES_RECOMPILE_LIMIT:
+        # Older torch has no per-function limit; raise the global one, never lower it.
+        # (torch < 2.7 calls it cache_size_limit.)
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        setattr(config, name, max(getattr(config, name), recompile_limit))
+    _local.limit = recompile_limit

@@ -1,0 +1,220 @@
+"""Compiled regions: a module whose forward runs through one shared compiled function.
+
+A region replaces `module.forward` (an instance attribute, so state-dict keys, parameters
+and hooks stay as they are) with a dispatcher. All regions whose forward is the same
+function (every instance of a block class, every kohya-LoRA-patched Linear) share one
+`torch.compile` of that function, called with the instance as `self`: one graph per class
+and input shape, not one compile per instance.
+
+The dispatcher runs the region eager when its parameters are not on the device of its
+inputs (an offload conductor has it in host memory), or when the shared function could
+not be compiled.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from .budget import RegionBackend
+from .config import CompileConfig
+from .dynamo_settings import COMPILE_TAKES_RECOMPILE_LIMIT, ensure_thread_settings
+from .stats import RECOMPILE_LIMIT_WATCHER, Stats, graph_break_total, warn
+
+def _split_method(forward: Callable) -> tuple[Callable, Any]:
+    """(function, self) of a bound method; (callable, None) for anything else."""
+    if inspect.ismethod(forward):
+        return forward.__func__, forward.__self__
+    return forward, None
+
+
+class CompiledFunction:
+    """One torch.compile of one forward function, shared by every region that runs it."""
+
+    def __init__(self, fn: Callable, config: CompileConfig, stats: Stats) -> None:
+        self.fn = fn
+        self.stats = stats
+        self.backend = RegionBackend(config, stats)
+        kwargs: dict[str, Any] = {"backend": self.backend, "fullgraph": config.fullgraph}
+        # dynamic=True is done by marking token dims per call (see Region); the rest of the
+        # shapes stay dynamo's business.
+        kwargs["dynamic"] = False if config.dynamic is False else None
+        if COMPILE_TAKES_RECOMPILE_LIMIT:
+            kwargs["recompile_limit"] = config.recompile_limit
+        self.compiled = torch.compile(fn, **kwargs)
+        self.recompile_limit = config.recompile_limit
+        self.regions: list[str] = []
+        self.failure: str | None = None
+        self._warned_checkpoint = False
+        code = getattr(fn, "__code__", None)
+        if code is not None:
+            RECOMPILE_LIMIT_WATCHER.listen(self, code, self._on_recompile_limit)
+
+    @property
+    def name(self) -> str:
+        return getattr(self.fn, "__qualname__", repr(self.fn))
+
+    def fail(self, reason: str) -> None:
+        """Every region of this function runs eager from now on; one warning says so."""
+        self.failure = reason
+        self.stats.fallbacks.extend((region, reason) for region in self.regions)
+        warn(
+            f"{self.name} (regions {', '.join(self.regions[:3])}{', ...' if len(self.regions) > 3 else ''}) "
+            f"could not be compiled and runs eager: {reason}"
+        )
+
+    def note_still_checkpointed(self, regions: list[str], why: str) -> None:
+        """A budgeted region still runs under a checkpoint compile_accel could not switch off."""
+        new = [r for r in regions if r not in self.stats.still_checkpointed]
+        self.stats.still_checkpointed.extend(new)
+        if new and not self._warned_checkpoint:
+            self._warned_checkpoint = True
+            warn(
+                f"{', '.join(new[:3])}{', ...' if len(new) > 3 else ''} have an activation memory budget but are "
+                f"still checkpointed ({why}) and compile_accel found no switch to turn that off; the checkpoint "
+                "overrides the budget there (full list in stats()['still_checkpointed'])"
+            )
+
+    def _on_recompile_limit(self, reason: str) -> None:
+        self.stats.recompile_limit_hits += 1
+        warn(
+            f"{self.name} hit recompile_limit={self.recompile_limit}; dynamo runs the inputs that missed "
+            f"every graph eager (last reason: {reason}). Raise CompileConfig.recompile_limit, or set "
+            "dynamic=True if the inputs change shape (aspect-ratio buckets)"
+        )
+
+
+def restore_forward(module: nn.Module, original: Callable) -> None:
+    """Undo an instance-level `module.forward` replacement, keeping any the user had before."""
+    if inspect.ismethod(original) and original.__self__ is module and original.__func__ is type(module).forward:
+        module.__dict__.pop("forward", None)
+    else:
+        module.forward = original
+
+
+def _failure_reason(error: BaseException) -> str:
+    inner = getattr(error, "inner_exception", None) or error
+    text = str(inner).strip().splitlines()
+    return f"{type(inner).__name__}: {text[0] if text else ''}"
+
+
+# Block inputs are looked at on the top level only (tensors passed directly or by keyword):
+# these helpers run on every call.
+
+
+def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    return [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+
+
+def _mark_token_dims(tensors: list[torch.Tensor]) -> None:
+    """Mark the token dimension dynamic: dim 1 of the first 3-D+ input, and every dim of any
+    tensor input with that same length (masks, rotary tables)."""
+    hidden = next((t for t in tensors if t.dim() >= 3), None)
+    if hidden is None:
+        return
+    tokens = hidden.shape[1]
+    for t in tensors:
+        for dim, size in enumerate(t.shape):
+            if size == tokens:
+                torch._dynamo.maybe_mark_dynamic(t, dim)
+
+
+def _requiring_grad(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Floating inputs as tensors that require grad.
+
+    The first block of a list is fed by frozen embedders (no grad), the others by blocks with
+    LoRA (grad): without this each block class compiles twice. A tensor that does not require
+    grad has no autograd history, so its detached alias loses nothing; the price is the input
+    gradient of the first block, which backward now computes and drops.
+    """
+
+    def lift(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and not value.requires_grad:
+            return value.detach().requires_grad_(True)
+        return value
+
+    return tuple(lift(v) for v in args), {k: lift(v) for k, v in kwargs.items()}
+
+
+def _under_outer_checkpoint(module: nn.Module) -> bool:
+    """True when this call runs inside torch.utils.checkpoint (reentrant: training forward
+    with grad off; non-reentrant: checkpoint's saved-tensor hooks are active)."""
+    if module.training and not torch.is_grad_enabled():
+        return True
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    pack = hooks[0] if hooks else None
+    return pack is not None and "checkpoint" in getattr(pack, "__module__", "")
+
+
+class Region:
+    """One module whose forward is dispatched to a shared CompiledFunction."""
+
+    def __init__(self, name: str, module: nn.Module, shared: CompiledFunction, config: CompileConfig) -> None:
+        self.name = name
+        self.module = module
+        self.shared = shared
+        self.stats = shared.stats
+        self.eager = module.forward
+        self.owner = _split_method(self.eager)[1]
+        self.tensors = [*module.parameters(), *module.buffers()]
+        self.recompile_limit = config.recompile_limit
+        self.mark_tokens = config.dynamic is True
+        self.check_outer_checkpoint = config.activation_memory_budget is not None
+        self.__wrapped__ = self.eager  # inspect.signature(module.forward) still shows the real one
+        shared.regions.append(name)
+
+    def install(self) -> None:
+        self.module.forward = self
+
+    def uninstall(self) -> None:
+        if self.module.__dict__.get("forward") is not self:
+            warn(f"{self.name}.forward was replaced after apply(); leaving the replacement in place")
+            return
+        restore_forward(self.module, self.eager)
+
+    def _resident(self, inputs: list[torch.Tensor]) -> bool:
+        if not inputs:
+            return True
+        device = inputs[0].device
+        return all(t.device == device for t in self.tensors)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        shared = self.shared
+        if shared.failure is not None:
+            return self.eager(*args, **kwargs)
+        if not self._resident(_tensors(args, kwargs)):
+            self.stats.eager_nonresident_calls += 1
+            return self.eager(*args, **kwargs)
+        if self.check_outer_checkpoint:
+            self.check_outer_checkpoint = False
+            if _under_outer_checkpoint(self.module):
+                shared.note_still_checkpointed([self.name], "called inside torch.utils.checkpoint")
+        ensure_thread_settings(self.recompile_limit)
+        if self.module.training and torch.is_grad_enabled():
+            args, kwargs = _requiring_grad(args, kwargs)
+        if self.mark_tokens:
+            _mark_token_dims(_tensors(args, kwargs))
+        graphs, breaks, start = self.stats.graphs, graph_break_total(), time.perf_counter()
+        try:
+            if self.owner is None:
+                out = shared.compiled(*args, **kwargs)
+            else:
+                out = shared.compiled(self.owner, *args, **kwargs)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            # fullgraph=True turns the limit into an error; the watcher has warned and counted.
+            return self.eager(*args, **kwargs)
+        except torch._dynamo.exc.TorchDynamoException as error:
+            shared.fail(_failure_reason(error))
+            return self.eager(*args, **kwargs)
+        if self.stats.graphs != graphs:
+            self.stats.compile_seconds += time.perf_counter() - start
+            self.stats.graph_breaks += graph_break_total() - breaks
+            if shared.backend.saw_checkpoint:
+                shared.backend.saw_checkpoint = False
+                shared.note_still_checkpointed(shared.regions, "their forward calls torch.utils.checkpoint")
+        return out

@@ -1,0 +1,99 @@
+"""What happened while compiling: graphs, recompiles, breaks, fallbacks, eager calls.
+
+Graphs and recompiles are counted by each region's backend as they are compiled; graph
+breaks come from dynamo's own counters around each compiling call; a recompile-limit
+hit is read from the warning dynamo logs when it gives up on a function (it would
+otherwise run eager without a word).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+
+def graph_break_total() -> int:
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
+@dataclass
+class Stats:
+    """Counters shared by the regions of one Acceleration.
+
+    A graph's signature is its frame plus its inputs' names, shapes, dtypes and requires_grad,
+    the grad mode and autocast. `unique_graphs` counts signatures; `recompiles` counts graphs
+    compiled again for a signature that already had one (a per-block Python constant, a config
+    change): compile time spent for nothing. A new shape is a new graph, not a recompile.
+    """
+
+    regions: int = 0
+    graphs: int = 0
+    recompiles: int = 0
+    signatures: set = field(default_factory=set)
+    graph_breaks: int = 0
+    compile_seconds: float = 0.0
+    eager_nonresident_calls: int = 0
+    recompile_limit_hits: int = 0
+    fallbacks: list[tuple[str, str]] = field(default_factory=list)
+    checkpointing_switched_off: list[str] = field(default_factory=list)
+    still_checkpointed: list[str] = field(default_factory=list)
+
+    def record_graph(self, signature: tuple) -> None:
+        self.graphs += 1
+        if signature in self.signatures:
+            self.recompiles += 1
+        self.signatures.add(signature)
+
+    def as_dict(self) -> dict[str, Any]:
+        fallen = {name for name, _ in self.fallbacks}
+        return {
+            "regions": self.regions,
+            "compiled_regions": self.regions - len(fallen),
+            "unique_graphs": len(self.signatures),
+            "recompiles": self.recompiles,
+            "graph_breaks": self.graph_breaks,
+            "compile_seconds": round(self.compile_seconds, 3),
+            "fallbacks": [{"region": name, "reason": reason} for name, reason in self.fallbacks],
+            "eager_nonresident_calls": self.eager_nonresident_calls,
+            "recompile_limit_hits": self.recompile_limit_hits,
+            "checkpointing_switched_off": list(self.checkpointing_switched_off),
+            "still_checkpointed": list(self.still_checkpointed),
+        }
+
+
+class _RecompileLimitWatcher(logging.Handler):
+    """Turns dynamo's 'hit config.recompile_limit' log line into a warning and a count.
+
+    Listeners are `(code, callback)` pairs held weakly through their owner; dynamo names the
+    function as "'name' (file:line)", which is matched against each listener's code object.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.WARNING)
+        self._listeners: weakref.WeakKeyDictionary[object, tuple[str, Callable[[str], None]]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def listen(self, owner: object, code: Any, callback: Callable[[str], None]) -> None:
+        self._listeners[owner] = (f"'{code.co_name}' ({code.co_filename}:{code.co_firstlineno})", callback)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not str(record.msg).startswith("torch._dynamo hit config.") or len(record.args or ()) < 4:
+            return
+        function, reason = str(record.args[2]), str(record.args[3])
+        for name, callback in list(self._listeners.values()):
+            if name == function:
+                callback(reason)
+
+
+RECOMPILE_LIMIT_WATCHER = _RecompileLimitWatcher()
+logging.getLogger("torch._dynamo.convert_frame").addHandler(RECOMPILE_LIMIT_WATCHER)
+
+
+def warn(message: str) -> None:
+    warnings.warn(f"compile_accel: {message}", RuntimeWarning, stacklevel=3)
