@@ -79,12 +79,12 @@ class ComplexRotary(nn.Module):
 
 
 class RealRotary(nn.Module):
-    """ComplexRotary's rotation in real arithmetic: (a + ib)(c + is) on interleaved pairs."""
+    """ComplexRotary's rotation in real arithmetic (Flux's formulation): each interleaved pair
+    times a 2x2 rotation matrix [[cos, -sin], [sin, cos]]."""
 
-    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-        a, b = x.float().reshape(*x.shape[:-1], -1, 2).unbind(-1)
-        cos, sin = cos_sin.unbind(-1)
-        return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).type_as(x)
+    def forward(self, x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+        pairs = x.float().reshape(*x.shape[:-1], -1, 1, 2)
+        return (rotation[..., 0] * pairs[..., 0] + rotation[..., 1] * pairs[..., 1]).flatten(-2).type_as(x)
 
 
 ROTARY = {"complex": ComplexRotary, "real": RealRotary}
@@ -171,7 +171,7 @@ class SingleStreamBlock(CheckpointMixin):
 
 def _rope_table(positions: torch.Tensor, head_dim: int, rope: str, theta: float = 10000.0) -> torch.Tensor:
     """Rotary factors for 3 position axes (text index, row, column), like Flux/Lumina: complex
-    e^(i angle) for ComplexRotary, stacked (cos, sin) for RealRotary."""
+    e^(i angle) for ComplexRotary, 2x2 rotation matrices for RealRotary."""
     axes = [head_dim // 2 - 2 * (head_dim // 6), head_dim // 6, head_dim // 6]
     parts = []
     for axis, width in enumerate(axes):
@@ -180,7 +180,8 @@ def _rope_table(positions: torch.Tensor, head_dim: int, rope: str, theta: float 
     angles = torch.cat(parts, dim=-1)
     if rope == "complex":
         return torch.polar(torch.ones_like(angles), angles)
-    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+    cos, sin = angles.cos(), angles.sin()
+    return torch.stack([cos, -sin, sin, cos], dim=-1).unflatten(-1, (2, 2))
 
 
 class TinyDiT(nn.Module):

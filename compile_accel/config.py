@@ -22,8 +22,9 @@ class CompileConfig:
         checkpointing of the compiled blocks. None keeps PyTorch's default and the model's
         checkpointing as it is.
     dynamic: None lets dynamo decide (one static graph, a dynamic one on the first new shape);
-        True marks the token dimension dynamic up front so aspect-ratio buckets share one
-        graph; False compiles one static graph per shape.
+        True compiles with symbolic shapes from the start, so the token counts of aspect-ratio
+        buckets share one graph (parameter shapes stay static); False compiles one static
+        graph per shape.
     backend: a torch.compile backend name.
     compile_mode: inductor mode ("default", "reduce-overhead", "max-autotune",
         "max-autotune-no-cudagraphs"); inductor only.

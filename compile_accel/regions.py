@@ -41,9 +41,7 @@ class CompiledFunction:
         self.stats = stats
         self.backend = RegionBackend(config, stats)
         kwargs: dict[str, Any] = {"backend": self.backend, "fullgraph": config.fullgraph}
-        # dynamic=True is done by marking token dims per call (see Region); the rest of the
-        # shapes stay dynamo's business.
-        kwargs["dynamic"] = False if config.dynamic is False else None
+        kwargs["dynamic"] = config.dynamic
         if COMPILE_TAKES_RECOMPILE_LIMIT:
             kwargs["recompile_limit"] = config.recompile_limit
         self.compiled = torch.compile(fn, **kwargs)
@@ -111,19 +109,6 @@ def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
 
 
-def _mark_token_dims(tensors: list[torch.Tensor]) -> None:
-    """Mark the token dimension dynamic: dim 1 of the first 3-D+ input, and every dim of any
-    tensor input with that same length (masks, rotary tables)."""
-    hidden = next((t for t in tensors if t.dim() >= 3), None)
-    if hidden is None:
-        return
-    tokens = hidden.shape[1]
-    for t in tensors:
-        for dim, size in enumerate(t.shape):
-            if size == tokens:
-                torch._dynamo.maybe_mark_dynamic(t, dim)
-
-
 def _requiring_grad(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Floating inputs as tensors that require grad.
 
@@ -163,7 +148,6 @@ class Region:
         self.owner = _split_method(self.eager)[1]
         self.tensors = [*module.parameters(), *module.buffers()]
         self.recompile_limit = config.recompile_limit
-        self.mark_tokens = config.dynamic is True
         self.check_outer_checkpoint = config.activation_memory_budget is not None
         self.__wrapped__ = self.eager  # inspect.signature(module.forward) still shows the real one
         shared.regions.append(name)
@@ -197,8 +181,6 @@ class Region:
         ensure_thread_settings(self.recompile_limit)
         if self.module.training and torch.is_grad_enabled():
             args, kwargs = _requiring_grad(args, kwargs)
-        if self.mark_tokens:
-            _mark_token_dims(_tensors(args, kwargs))
         graphs, breaks, start = self.stats.graphs, graph_break_total(), time.perf_counter()
         try:
             if self.owner is None:

@@ -1,0 +1,1 @@
+"""Trainer glue, one module per trainer: `compile_accel.integrations.<trainer>`."""

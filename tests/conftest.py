@@ -1,0 +1,75 @@
+"""Shared pieces: one inductor cache directory per run, a fresh dynamo per test, the embedded
+DiT with LoRA, and a LoRA training step that returns the loss and every LoRA gradient."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+# Compiles of identical graphs across tests hit this cache (.ci/run points it at a per-run dir).
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "compile_accel_tests_inductor"))
+
+import pytest
+import torch
+import torch.nn as nn
+
+from compile_accel.benchmarks.lora import TINY_DIT_LORA_TARGETS, KohyaStyleLoRANetwork
+from compile_accel.benchmarks.tiny_dit import TinyDiT, TinyDiTConfig, make_inputs
+
+PEFT_TARGETS = ["qkv", "img_out", "txt_out", "linear1", "linear2"]
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Counters and caches of one test never leak into the next."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def small_config(**overrides) -> TinyDiTConfig:
+    fields = dict(dim=32, heads=4, text_dim=24, double_blocks=2, single_blocks=2, rope="real")
+    fields.update(overrides)
+    return TinyDiTConfig(**fields)
+
+
+def build(lora: str = "kohya", checkpointing: str | None = None, **config) -> tuple[TinyDiT, list[nn.Parameter]]:
+    """The embedded DiT, frozen, with random-initialised LoRA; returns it and the LoRA parameters.
+
+    checkpointing: None, "reentrant" or "non-reentrant".
+    """
+    model = TinyDiT(small_config(**config))
+    model.requires_grad_(False)
+    if lora == "kohya":
+        network = KohyaStyleLoRANetwork(model, TINY_DIT_LORA_TARGETS, rank=4, alpha=4, up_init_std=0.05)
+        model._test_network = [network]  # keep it alive without making it a submodule
+        params = list(network.parameters())
+    elif lora == "peft":
+        from peft import LoraConfig, inject_adapter_in_model
+
+        inject_adapter_in_model(LoraConfig(r=4, lora_alpha=4, target_modules=PEFT_TARGETS, init_lora_weights=False), model)
+        params = [p for p in model.parameters() if p.requires_grad]
+    else:
+        raise ValueError(lora)
+    model.train()
+    if checkpointing is not None:
+        model.enable_gradient_checkpointing(use_reentrant=checkpointing == "reentrant")
+    return model, params
+
+
+def inputs_for(model: TinyDiT, **shape) -> tuple[torch.Tensor, ...]:
+    return make_inputs(model.config, **shape)
+
+
+def lora_step(model: nn.Module, params: list[nn.Parameter], inputs: tuple) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Loss and every LoRA gradient of one step (gradients cleared afterwards)."""
+    loss = model(*inputs).square().mean()
+    loss.backward()
+    grads = [p.grad.detach().clone() for p in params]
+    for p in params:
+        p.grad = None
+    return loss.detach(), grads
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()

@@ -1,0 +1,109 @@
+"""The activation memory budget: measured effect, held through recompiles, and the
+checkpointing it replaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._functorch.config
+import torch.nn as nn
+from conftest import build, inputs_for
+from torch.utils.checkpoint import checkpoint
+
+import compile_accel
+from compile_accel import CompileConfig
+from compile_accel.benchmarks.measure import SavedActivationMeter
+
+
+def _saved_bytes(model: nn.Module, res: int) -> int:
+    params = [p for p in model.parameters()] + [p for net in getattr(model, "_test_network", []) for p in net.parameters()]
+    inputs = inputs_for(model, res=res, text_len=16)
+    with SavedActivationMeter(params) as meter:
+        loss = model(*inputs).square().mean()
+    loss.backward()
+    return meter.bytes
+
+
+def test_lower_budget_saves_fewer_activation_bytes_also_after_a_recompile() -> None:
+    default_budget = torch._functorch.config.activation_memory_budget
+    saved = {}
+    for budget in (0.0, 0.5, 1.0):
+        torch._dynamo.reset()
+        model, _ = build("kohya", None)
+        acceleration = compile_accel.apply(model, CompileConfig(mode="blocks", activation_memory_budget=budget))
+        saved[budget, 16] = _saved_bytes(model, 16)
+        graphs = acceleration.stats()["unique_graphs"]
+        saved[budget, 24] = _saved_bytes(model, 24)  # a new shape: the blocks compile again
+        assert acceleration.stats()["unique_graphs"] > graphs
+    for res in (16, 24):
+        assert saved[0.0, res] < saved[1.0, res]
+        assert saved[0.0, res] <= saved[0.5, res] <= saved[1.0, res]
+    # The budget lived inside each region's compiles; the global knob never moved.
+    assert torch._functorch.config.activation_memory_budget == default_budget
+
+
+def test_budget_turns_model_checkpointing_off_and_restore_turns_it_back_on() -> None:
+    model, params = build("kohya", "non-reentrant")
+    acceleration = compile_accel.apply(model, CompileConfig(mode="blocks", activation_memory_budget=0.5))
+    blocks = [*model.double_blocks, *model.single_blocks]
+    assert not any(b.gradient_checkpointing for b in blocks)
+    assert acceleration.stats()["checkpointing_switched_off"] == [
+        "double_blocks.0", "double_blocks.1", "single_blocks.0", "single_blocks.1"
+    ]
+    model(*inputs_for(model)).square().mean().backward()
+    assert acceleration.stats()["still_checkpointed"] == []
+    acceleration.restore()
+    assert all(b.gradient_checkpointing for b in blocks)
+
+
+def test_blocks_without_budget_keep_checkpointing() -> None:
+    model, _ = build("kohya", "non-reentrant")
+    acceleration = compile_accel.apply(model, CompileConfig(mode="blocks"))
+    assert all(b.gradient_checkpointing for b in model.double_blocks)
+    assert acceleration.stats()["checkpointing_switched_off"] == []
+
+
+class _AlwaysCheckpointed(nn.Module):
+    """A block that checkpoints itself with no switch to turn it off."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.lin, x, use_reentrant=False)
+
+
+class _PlainBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x))
+
+
+class _Stack(nn.Module):
+    def __init__(self, block: type[nn.Module], checkpoint_outside: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(block() for _ in range(2))
+        self.checkpoint_outside = checkpoint_outside
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpoint_outside else block(x)
+        return x
+
+
+@pytest.mark.parametrize(
+    "model, where",
+    [(lambda: _Stack(_AlwaysCheckpointed), "inside"), (lambda: _Stack(_PlainBlock, checkpoint_outside=True), "outside")],
+    ids=["checkpoint-inside-block", "checkpoint-around-block"],
+)
+def test_block_still_under_a_checkpoint_is_named(model, where: str) -> None:
+    model = model()
+    acceleration = compile_accel.apply(model, CompileConfig(mode="blocks", activation_memory_budget=0.5))
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.warns(RuntimeWarning, match="still checkpointed"):
+        model(x).sum().backward()
+    assert acceleration.stats()["still_checkpointed"] == ["blocks.0", "blocks.1"]

@@ -1,0 +1,57 @@
+"""compile-accel doctor and bench, as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from compile_accel.benchmarks.runner import parse_mode
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "compile_accel.cli", *args], capture_output=True, text=True)
+
+
+def test_doctor_reports_a_usable_setup() -> None:
+    proc = _cli("doctor")
+    assert proc.returncode == 0, proc.stderr
+    assert "budget knob      yes" in proc.stdout
+    assert proc.stdout.strip().endswith("usable")
+
+
+def test_bench_runs_each_mode_and_writes_json(tmp_path) -> None:
+    proc = _cli("bench", "--modes", "eager+ckpt,blocks+budget=1.0", "--steps", "2", "--warmup", "1", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert "[1/2] eager+ckpt" in proc.stderr and "[2/2] blocks+budget=1.0" in proc.stderr  # progress
+    report = json.loads((tmp_path / "bench.json").read_text())
+    results = {r["mode"]: r for r in report["results"]}
+    assert set(results) == {"eager+ckpt", "blocks+budget=1.0"}
+    assert all(r["step_s_median"] > 0 and r["peak_bytes"] > 0 for r in results.values())
+    assert results["blocks+budget=1.0"]["stats"]["compiled_regions"] > 0
+    assert results["eager+ckpt"]["stats"]["regions"] == 0
+    assert "| blocks+budget=1.0 |" in proc.stdout and "vs eager+ckpt" in proc.stdout
+    assert report["environment"]["torch"]
+
+
+def test_bench_refuses_an_unknown_mode_before_running() -> None:
+    proc = _cli("bench", "--modes", "eager+ckpt,turbo")
+    assert proc.returncode == 2
+    assert "unknown mode 'turbo'" in proc.stderr
+
+
+@pytest.mark.parametrize("spec, mode, budget, ckpt", [
+    ("eager+ckpt", "off", None, True),
+    ("selective+ckpt", "selective", None, True),
+    ("blocks+budget=0.25", "blocks", 0.25, False),
+])
+def test_parse_mode(spec: str, mode: str, budget: float | None, ckpt: bool) -> None:
+    parsed = parse_mode(spec)
+    assert (parsed.config.mode, parsed.config.activation_memory_budget, parsed.checkpointing) == (mode, budget, ckpt)
+
+
+def test_parse_mode_rejects_out_of_range_budget() -> None:
+    with pytest.raises(ValueError, match=r"\[0.0, 1.0\]"):
+        parse_mode("blocks+budget=1.5")

@@ -1,0 +1,77 @@
+"""Bad input: a clear error naming the field, and the model left exactly as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from conftest import build
+
+import compile_accel
+from compile_accel import CompileConfig
+
+
+def _untouched(model: nn.Module, flags: list[bool]) -> None:
+    assert not any("forward" in m.__dict__ and not hasattr(m.__dict__["forward"], "__self__") for m in model.modules())
+    assert "_compile_accel" not in model.__dict__
+    assert [b.gradient_checkpointing for b in model.double_blocks] == flags
+
+
+BAD_CONFIGS = [
+    (dict(mode="blocks", activation_memory_budget=-0.1), "activation_memory_budget must be in"),
+    (dict(mode="blocks", activation_memory_budget=1.5), "activation_memory_budget must be in"),
+    (dict(mode="blocks", activation_memory_budget="0.5"), "activation_memory_budget must be a number"),
+    (dict(mode="blocks", activation_memory_budget=float("nan")), "activation_memory_budget must be a number"),
+    (dict(mode="blocks", activation_memory_budget=True), "activation_memory_budget must be a number"),
+    (dict(mode="selective", activation_memory_budget=0.5), "applies to mode='blocks' only"),
+    (dict(mode="fast"), "mode must be one of"),
+    (dict(mode="blocks", recompile_limit=0), "recompile_limit must be an int"),
+    (dict(mode="blocks", compile_mode="turbo"), "compile_mode must be one of"),
+    (dict(mode="blocks", backend="aot_eager", compile_mode="max-autotune"), "applies to backend='inductor' only"),
+    (dict(mode="blocks", exclude="*.rope"), "exclude must be a list"),
+    (dict(mode="blocks", backend="no_such_backend"), "is not a torch.compile backend"),
+]
+
+
+@pytest.mark.parametrize("fields, message", BAD_CONFIGS, ids=[m for _, m in BAD_CONFIGS])
+def test_bad_config_is_refused_and_changes_nothing(fields: dict, message: str) -> None:
+    model, _ = build("kohya", "non-reentrant")
+    with pytest.raises(ValueError, match=message):
+        compile_accel.apply(model, CompileConfig(**fields))
+    _untouched(model, [True, True])
+
+
+def test_unknown_block_path_lists_candidates() -> None:
+    model, _ = build("kohya", None)
+    with pytest.raises(ValueError, match=r"no submodule 'layers'.*\['double_blocks', 'single_blocks'\]"):
+        compile_accel.apply(model, CompileConfig(mode="blocks"), blocks=["layers"])
+    with pytest.raises(ValueError, match="not a ModuleList"):
+        compile_accel.apply(model, CompileConfig(mode="blocks"), blocks=["img_in"])
+    _untouched(model, [False, False])
+
+
+def test_model_without_repeated_blocks() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="has no repeated blocks"):
+        compile_accel.apply(model, CompileConfig(mode="selective"))
+
+
+def test_model_on_meta_device() -> None:
+    with torch.device("meta"):
+        model, _ = build("kohya", None)
+    with pytest.raises(ValueError, match="meta device"):
+        compile_accel.apply(model, CompileConfig(mode="blocks"))
+
+
+def test_apply_twice_is_an_error() -> None:
+    model, _ = build("kohya", None)
+    compile_accel.apply(model, CompileConfig(mode="blocks"))
+    with pytest.raises(RuntimeError, match="already called"):
+        compile_accel.apply(model, CompileConfig(mode="selective"))
+
+
+def test_blocks_given_as_paths_or_modulelists() -> None:
+    model, _ = build("kohya", None)
+    acceleration = compile_accel.apply(model, CompileConfig(mode="blocks"), blocks=[model.single_blocks])
+    assert [bl.path for bl in acceleration.block_lists] == ["single_blocks"]
+    assert acceleration.stats()["regions"] == 2

@@ -1,0 +1,117 @@
+"""Regions that cannot compile run eager with a warning; recompile limits are loud and apply
+in every thread."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from conftest import build, inputs_for, lora_step, relative_error
+
+import compile_accel
+from compile_accel import CompileConfig
+
+
+def test_complex_rope_region_falls_back_with_one_warning() -> None:
+    model, params = build("kohya", None, rope="complex")
+    inputs = inputs_for(model)
+    expected_loss, expected_grads = lora_step(model, params, inputs)
+    acceleration = compile_accel.apply(model, CompileConfig(mode="blocks", activation_memory_budget=0.5))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            loss, grads = lora_step(model, params, inputs)
+    ours = [w for w in caught if "compile_accel" in str(w.message)]
+    assert len(ours) == 1 and "complex" in str(ours[0].message) and "double_blocks.0" in str(ours[0].message)
+    stats = acceleration.stats()
+    assert {f["region"] for f in stats["fallbacks"]} == {"double_blocks.0", "double_blocks.1", "single_blocks.0", "single_blocks.1"}
+    assert all("complex" in f["reason"] for f in stats["fallbacks"])
+    assert stats["compiled_regions"] == 0
+    assert relative_error(loss, expected_loss) < 1e-6
+    assert all(relative_error(g, e) < 1e-6 for g, e in zip(grads, expected_grads, strict=True))
+
+
+class _Talkative(nn.Module):
+    """Graph-breaks on purpose (a print), which fullgraph=True turns into a compile error."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        print("", end="")
+        return torch.relu(y)
+
+
+class _Tagged(nn.Module):
+    """Reads a per-instance string in forward: dynamo specialises on it, one graph per instance."""
+
+    def __init__(self, tag: str) -> None:
+        super().__init__()
+        self.tag = tag
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * (2.0 if self.tag.endswith("0") else 1.0)
+
+
+class _Stack(nn.Module):
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_region_whose_compile_raises_falls_back() -> None:
+    model = _Stack([_Talkative() for _ in range(3)])
+    x = torch.randn(4, 8)
+    expected = model(x)
+    acceleration = compile_accel.apply(model, CompileConfig(mode="blocks", fullgraph=True, backend="aot_eager"))
+    with pytest.warns(RuntimeWarning, match="could not be compiled and runs eager"):
+        out = model(x)
+    torch.testing.assert_close(out, expected)
+    fallbacks = acceleration.stats()["fallbacks"]
+    assert [f["region"] for f in fallbacks] == ["blocks.0", "blocks.1", "blocks.2"]
+
+
+def test_recompile_limit_hit_is_loud_and_counted() -> None:
+    model = _Stack([_Tagged(f"t{i}") for i in range(5)])
+    x = torch.randn(4, 8)
+    expected = model(x)
+    acceleration = compile_accel.apply(model, CompileConfig(mode="blocks", recompile_limit=2, backend="aot_eager"))
+    with pytest.warns(RuntimeWarning, match="hit recompile_limit=2"):
+        out = model(x)
+    torch.testing.assert_close(out, expected)
+    stats = acceleration.stats()
+    assert stats["recompile_limit_hits"] >= 1
+    assert stats["recompiles"] >= 1  # same inputs, new graph: the per-instance string
+
+
+def test_recompile_limit_applies_in_other_threads() -> None:
+    """Reentrant checkpoint recompute compiles on autograd worker threads, whose dynamo config
+    (torch >= 2.12) starts from the defaults: a limit of 8 there would cut this off at 8."""
+    model = _Stack([_Tagged(f"t{i}") for i in range(10)])
+    acceleration = compile_accel.apply(model, CompileConfig(mode="blocks", recompile_limit=16, backend="aot_eager"))
+    caught: list[warnings.WarningMessage] = []
+
+    def run() -> None:
+        with warnings.catch_warnings(record=True) as inner:
+            warnings.simplefilter("always")
+            model(torch.randn(4, 8))
+        caught.extend(inner)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    stats = acceleration.stats()
+    assert stats["recompile_limit_hits"] == 0
+    assert stats["unique_graphs"] + stats["recompiles"] == 10  # every instance ran compiled
+    assert not [w for w in caught if "recompile_limit" in str(w.message)]

@@ -1,0 +1,72 @@
+"""One compiled graph per block class, shared by every instance; no recompiles in steady state."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import build, inputs_for, lora_step
+
+import compile_accel
+from compile_accel import CompileConfig
+
+MODES = {
+    "blocks": (CompileConfig(mode="blocks", activation_memory_budget=0.5), None),
+    "selective": (CompileConfig(mode="selective", dynamic=True), "non-reentrant"),
+}
+
+
+def _graphs_after_steps(mode: str, double_blocks: int, single_blocks: int, steps: int = 3) -> list[dict]:
+    config, checkpointing = MODES[mode]
+    model, params = build("kohya", checkpointing, double_blocks=double_blocks, single_blocks=single_blocks)
+    acceleration = compile_accel.apply(model, config)
+    inputs = inputs_for(model)
+    history = []
+    for _ in range(steps):
+        lora_step(model, params, inputs)
+        history.append(acceleration.stats())
+    return history
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_graphs_do_not_grow_with_block_count(mode: str) -> None:
+    few = _graphs_after_steps(mode, 2, 2)
+    # A model with more instances of the same classes compiles no more graphs.
+    many = _graphs_after_steps(mode, 3, 4)
+    assert many[-1]["regions"] > few[-1]["regions"]
+    assert many[-1]["unique_graphs"] == few[-1]["unique_graphs"] > 0
+    for history in (few, many):
+        # Steady state: steps after the first add no graph and no recompile.
+        assert [s["unique_graphs"] for s in history] == [history[0]["unique_graphs"]] * len(history)
+        assert [s["recompiles"] for s in history] == [0] * len(history)
+
+
+def test_blocks_mode_one_graph_per_block_class() -> None:
+    history = _graphs_after_steps("blocks", 2, 3)
+    # DoubleStreamBlock and SingleStreamBlock: two classes, two graphs.
+    assert history[-1]["unique_graphs"] == 2
+    assert history[-1]["regions"] == 5
+
+
+def test_reentrant_selective_compiles_nothing_after_first_step() -> None:
+    """Reentrant checkpointing runs the children without grad, then recomputes them with grad:
+    two graphs per child where non-reentrant has one, but still nothing new after step one."""
+    model, params = build("kohya", "reentrant")
+    acceleration = compile_accel.apply(model, CompileConfig(mode="selective", dynamic=True))
+    inputs = inputs_for(model)
+    lora_step(model, params, inputs)
+    first = acceleration.stats()
+    for _ in range(2):
+        lora_step(model, params, inputs)
+    assert acceleration.stats()["unique_graphs"] == first["unique_graphs"]
+    assert acceleration.stats()["recompiles"] == first["recompiles"]
+
+
+def test_dynamic_true_shares_one_graph_across_token_counts() -> None:
+    """Aspect-ratio buckets: with dynamic=True new token counts reuse the graph."""
+    model, params = build("kohya", None)
+    acceleration = compile_accel.apply(model, CompileConfig(mode="blocks", activation_memory_budget=1.0, dynamic=True))
+    lora_step(model, params, inputs_for(model, res=16))
+    graphs = acceleration.stats()["unique_graphs"]
+    for res in (12, 20, 24):
+        lora_step(model, params, inputs_for(model, res=res))
+    assert acceleration.stats()["unique_graphs"] == graphs
+    assert acceleration.stats()["recompiles"] == 0

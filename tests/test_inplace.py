@@ -1,0 +1,113 @@
+"""apply() works in place: same state-dict keys and parameters, optimizers keep working,
+restore() gives eager back, `.data` swaps do not recompile, non-resident regions run eager."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from conftest import build, inputs_for, lora_step, relative_error
+
+import compile_accel
+from compile_accel import CompileConfig
+from compile_accel.benchmarks.lora import KohyaStyleLoRA
+from compile_accel.regions import Region
+
+BLOCKS = CompileConfig(mode="blocks", activation_memory_budget=0.5)
+
+
+def test_state_dict_keys_parameters_and_optimizer_unchanged() -> None:
+    model, params = build("peft", "non-reentrant")
+    keys = list(model.state_dict())
+    ids = [id(p) for p in model.parameters()]
+    optimizer = torch.optim.SGD(params, lr=0.1)  # built before apply
+    compile_accel.apply(model, CompileConfig(mode="selective"))
+    assert list(model.state_dict()) == keys
+    assert not any("_orig_mod" in k for k in model.state_dict())
+    assert [id(p) for p in model.parameters()] == ids
+    before = [p.detach().clone() for p in params]
+    model(*inputs_for(model)).square().mean().backward()
+    optimizer.step()
+    assert all(not torch.equal(b, p) for b, p in zip(before, params, strict=True))
+
+
+def test_restore_gives_eager_back() -> None:
+    model, params = build("kohya", None)
+    inputs = inputs_for(model)
+    eager_loss, eager_grads = lora_step(model, params, inputs)
+    acceleration = compile_accel.apply(model, BLOCKS)
+    lora_step(model, params, inputs)
+    acceleration.restore()
+    assert not any(isinstance(m.__dict__.get("forward"), Region) for m in model.modules())
+    # kohya's LoRA forwards (installed before apply) are still in place.
+    lora_linears = [m for m in model.modules() if isinstance(getattr(m.forward, "__self__", None), KohyaStyleLoRA)]
+    assert len(lora_linears) == 12
+    loss, grads = lora_step(model, params, inputs)
+    assert torch.equal(loss, eager_loss)
+    assert all(torch.equal(g, e) for g, e in zip(grads, eager_grads, strict=True))
+    compile_accel.apply(model, BLOCKS)  # and it can be applied again
+
+
+def test_data_swap_does_not_recompile() -> None:
+    model, params = build("kohya", None)
+    inputs = inputs_for(model)
+    acceleration = compile_accel.apply(model, BLOCKS)
+    lora_step(model, params, inputs)
+    graphs = acceleration.stats()["unique_graphs"]
+    for block in [*model.double_blocks, *model.single_blocks]:
+        for p in block.parameters():
+            p.data = p.data * 1.5  # what an offloader does: new storage, same device/dtype/shape
+    loss, grads = lora_step(model, params, inputs)
+    stats = acceleration.stats()
+    assert stats["unique_graphs"] == graphs and stats["recompiles"] == 0
+    acceleration.restore()
+    eager_loss, eager_grads = lora_step(model, params, inputs)
+    assert relative_error(loss, eager_loss) < 1e-4  # the compiled graphs read the new weights
+    assert all(relative_error(g, e) < 1e-4 for g, e in zip(grads, eager_grads, strict=True))
+
+
+class _LinearStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8, bias=False), nn.ReLU()) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_region_runs_eager_while_not_resident() -> None:
+    """Inputs on another device than the region's weights (meta here, the GPU while an
+    offloader holds the weights in host memory): the region runs its eager forward and
+    counts it; nothing compiles. Back on one device, it runs compiled."""
+    model = _LinearStack()
+    acceleration = compile_accel.apply(model, CompileConfig(mode="blocks", backend="aot_eager"))
+    out = model(torch.empty(2, 8, device="meta"))
+    assert out.device.type == "meta"
+    stats = acceleration.stats()
+    assert stats["eager_nonresident_calls"] == 2 and stats["unique_graphs"] == 0
+    model(torch.randn(2, 8))
+    stats = acceleration.stats()
+    assert stats["eager_nonresident_calls"] == 2 and stats["unique_graphs"] == 1
+
+
+def test_train_eval_and_to_still_work() -> None:
+    model, _ = build("kohya", None)
+    compile_accel.apply(model, BLOCKS)
+    model.eval()
+    assert not model.double_blocks[0].training
+    model.to(torch.float64)
+    model._test_network[0].to(torch.float64)  # kohya's LoRA network lives outside the model
+    inputs = [t.double() if t.is_floating_point() else t for t in inputs_for(model)]
+    with torch.no_grad():
+        out = model(*inputs)
+    assert out.dtype == torch.float64 and torch.isfinite(out).all()
+
+
+def test_modules_outside_blocks_are_untouched() -> None:
+    model, _ = build("kohya", None)
+    compile_accel.apply(model, BLOCKS)
+    for module in (model.img_in, model.time_in, model.final):
+        assert not isinstance(module.__dict__.get("forward"), Region)
+    assert isinstance(model.double_blocks[0].__dict__.get("forward"), Region)
+    assert isinstance(model, nn.Module)
