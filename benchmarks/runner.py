@@ -6,6 +6,7 @@ each child prints last. Modes:
 
     eager              no checkpointing, nothing compiled
     eager+ckpt         the model's own checkpointing, nothing compiled (the baseline)
+    whole+ckpt         checkpointing kept, the whole model compiled (what sd-scripts' --torch_compile does)
     selective+ckpt     checkpointing kept, compute children of each block compiled
     blocks+ckpt        whole blocks compiled with their checkpoint inside
     blocks+budget=B    whole blocks compiled with activation memory budget B, no checkpointing
@@ -14,6 +15,7 @@ each child prints last. Modes:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -29,18 +31,10 @@ import torch
 import compile_accel
 from compile_accel import CompileConfig
 
-from .lora import TINY_DIT_LORA_TARGETS, KohyaStyleLoRANetwork
 from .measure import SavedActivationMeter
-from .tiny_dit import COMPILE_EXCLUDE, TinyDiT, TinyDiTConfig, make_inputs
+from .models import MODELS
 
 DEFAULT_MODES = ["eager+ckpt", "selective+ckpt", "blocks+budget=0.5", "blocks+budget=1.0"]
-
-# Sized so that a step is dominated by the model on each device, and compiles in seconds on a CPU.
-TINY_CONFIGS = {
-    "cpu": TinyDiTConfig(dim=64, heads=4, text_dim=64, double_blocks=2, single_blocks=4),
-    "cuda": TinyDiTConfig(dim=1536, heads=16, text_dim=1024, double_blocks=4, single_blocks=8),
-}
-TINY_SHAPES = {"cpu": {"batch": 2, "res": 32, "text_len": 32}, "cuda": {"batch": 2, "res": 128, "text_len": 256}}
 
 
 @dataclass
@@ -48,6 +42,7 @@ class ModeSpec:
     name: str
     config: CompileConfig
     checkpointing: bool
+    whole_model: bool = False
 
 
 def parse_mode(spec: str) -> ModeSpec:
@@ -55,19 +50,23 @@ def parse_mode(spec: str) -> ModeSpec:
     head, _, rest = spec.partition("+")
     if head == "eager" and rest in ("", "ckpt"):
         return ModeSpec(spec, CompileConfig(mode="off"), rest == "ckpt")
+    if head == "whole" and rest == "ckpt":
+        return ModeSpec(spec, CompileConfig(mode="off"), True, whole_model=True)
     if head == "selective" and rest == "ckpt":
-        return ModeSpec(spec, CompileConfig(mode="selective", exclude=COMPILE_EXCLUDE), True)
+        return ModeSpec(spec, CompileConfig(mode="selective"), True)
     if head == "blocks" and rest == "ckpt":
-        return ModeSpec(spec, CompileConfig(mode="blocks", exclude=COMPILE_EXCLUDE), True)
+        return ModeSpec(spec, CompileConfig(mode="blocks"), True)
     if head == "blocks" and rest.startswith("budget="):
         try:
             budget = float(rest.removeprefix("budget="))
         except ValueError:
             raise ValueError(f"mode {spec!r}: budget must be a number in [0, 1]") from None
-        config = CompileConfig(mode="blocks", activation_memory_budget=budget, exclude=COMPILE_EXCLUDE)
+        config = CompileConfig(mode="blocks", activation_memory_budget=budget)
         config.validate()
         return ModeSpec(spec, config, False)
-    raise ValueError(f"unknown mode {spec!r}; modes: eager, eager+ckpt, selective+ckpt, blocks+ckpt, blocks+budget=B")
+    raise ValueError(
+        f"unknown mode {spec!r}; modes: eager, eager+ckpt, whole+ckpt, selective+ckpt, blocks+ckpt, blocks+budget=B"
+    )
 
 
 def _sync(device: str) -> None:
@@ -78,6 +77,8 @@ def _sync(device: str) -> None:
 @dataclass
 class StepResult:
     mode: str
+    model: str
+    description: str
     device: str
     steps: int
     step_s_median: float
@@ -90,27 +91,24 @@ class StepResult:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-def run_mode(spec: ModeSpec, device: str, steps: int, warmup: int, lora_rank: int) -> StepResult:
-    """Build the embedded DiT with LoRA, apply the mode, and time LoRA training steps."""
+def run_mode(spec: ModeSpec, model_name: str, device: str, steps: int, warmup: int, lora_rank: int,
+             batch: int | None = None, res: int | None = None) -> StepResult:
+    """Build the model with LoRA, apply the mode, and time LoRA training steps."""
     torch.manual_seed(0)
-    config = TINY_CONFIGS[device]
-    shape = TINY_SHAPES[device]
-    model = TinyDiT(config).to(device)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model.to(dtype).requires_grad_(False)
-    network = KohyaStyleLoRANetwork(model, TINY_DIT_LORA_TARGETS, rank=lora_rank, alpha=lora_rank).to(device)
+    bench = MODELS[model_name](device, lora_rank, batch, res)
+    model = bench.model
     model.train()
     if spec.checkpointing:
-        model.enable_gradient_checkpointing()
-    acceleration = compile_accel.apply(model, spec.config)
-    optimizer = torch.optim.AdamW(network.parameters(), lr=1e-4)
-    inputs = make_inputs(config, shape["batch"], shape["res"], shape["text_len"], device=device, dtype=dtype)
-    target = torch.randn_like(inputs[0])
+        bench.enable_checkpointing()
+    acceleration = bench.accelerate(model, dataclasses.replace(spec.config, exclude=bench.exclude))
+    if spec.whole_model:
+        model.compile()
+    optimizer = torch.optim.AdamW(bench.lora_params, lr=1e-4)
 
     def step() -> float:
         with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
-            out = model(*inputs)
-        loss = (out.float() - target.float()).square().mean()
+            out = bench.predict()
+        loss = (out.float() - bench.target.float()).square().mean()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -135,13 +133,17 @@ def run_mode(spec: ModeSpec, device: str, steps: int, warmup: int, lora_rank: in
     if device == "cuda":
         peak, kind, reserved = torch.cuda.max_memory_allocated(), "cuda max allocated", torch.cuda.max_memory_reserved()
     else:
-        with SavedActivationMeter([*model.parameters(), *network.parameters()]) as meter:
-            model(*inputs).float().square().mean().backward()
+        with SavedActivationMeter([*model.parameters(), *bench.lora_params]) as meter:
+            bench.predict().float().square().mean().backward()
         optimizer.zero_grad(set_to_none=True)
         peak, kind, reserved = meter.bytes, "activation bytes saved for backward", None
+    stats = acceleration.stats()
+    if spec.whole_model:
+        counters = torch._dynamo.utils.counters
+        stats.update(unique_graphs=counters["stats"]["unique_graphs"], graph_breaks=sum(counters["graph_break"].values()))
     return StepResult(
-        spec.name, device, steps, statistics.median(times), min(times), first, peak, kind, reserved, loss,
-        acceleration.stats(),
+        spec.name, model_name, bench.description, device, steps, statistics.median(times), min(times), first,
+        peak, kind, reserved, loss, stats,
     )
 
 
@@ -160,23 +162,46 @@ def environment() -> dict[str, Any]:
     return env
 
 
-def run_ab(
-    modes: list[str],
-    device: str,
-    steps: int,
-    warmup: int,
-    lora_rank: int,
-    progress: Callable[[str], None] = print,
-) -> dict[str, Any]:
-    """Each mode in a child process; returns {'environment', 'results': [...]}."""
+@dataclass
+class BenchSettings:
+    """What every mode of one A/B shares (passed to each child process as flags)."""
+
+    model: str = "tiny"
+    device: str = "cpu"
+    steps: int = 8
+    warmup: int = 2
+    lora_rank: int = 16
+    batch: int | None = None
+    res: int | None = None
+
+    def flags(self) -> list[str]:
+        flags = []
+        for name, value in asdict(self).items():
+            if value is not None:
+                flags += [f"--{name.replace('_', '-')}", str(value)]
+        return flags
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny",
+                        help="tiny: the embedded DiT; lumina2: diffusers Lumina 2 at full size (random weights)")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per mode (median reported)")
+    parser.add_argument("--warmup", type=int, default=2, help="steps after the first (compile) step before timing")
+    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--batch", type=int, help="batch size (default: the model's)")
+    parser.add_argument("--res", type=int, help="image resolution in pixels (default: the model's)")
+
+
+def run_ab(modes: list[str], settings: BenchSettings, progress: Callable[[str], None] = print) -> dict[str, Any]:
+    """Each mode in a child process; returns {'environment', 'command', 'settings', 'results'}."""
     for mode in modes:
         parse_mode(mode)  # refuse a bad mode before spending minutes on the good ones
     results = []
     for i, mode in enumerate(modes, 1):
-        progress(f"[{i}/{len(modes)}] {mode}: compiling and timing {warmup} + {steps} steps on {device} ...")
+        progress(f"[{i}/{len(modes)}] {mode}: building {settings.model}, compiling, timing "
+                 f"{settings.warmup} + {settings.steps} steps on {settings.device} ...")
         start = time.perf_counter()
-        cmd = [sys.executable, "-m", "compile_accel.benchmarks.runner", "--mode", mode, "--device", device,
-               "--steps", str(steps), "--warmup", str(warmup), "--lora-rank", str(lora_rank)]
+        cmd = [sys.executable, "-m", "compile_accel.benchmarks.runner", "--mode", mode, *settings.flags()]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
         if proc.returncode != 0:
             raise RuntimeError(f"mode {mode} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -184,7 +209,7 @@ def run_ab(
         results.append(result)
         progress(f"[{i}/{len(modes)}] {mode}: {result['step_s_median'] * 1e3:.1f} ms/step "
                  f"(first step {result['first_step_s']:.1f} s; {time.perf_counter() - start:.0f} s in all)")
-    return {"environment": environment(), "command": " ".join(sys.argv), "results": results}
+    return {"environment": environment(), "command": " ".join(sys.argv), "settings": asdict(settings), "results": results}
 
 
 def _format_bytes(n: int | None) -> str:
@@ -215,11 +240,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--mode", required=True)
     parser.add_argument("--device", choices=["cpu", "cuda"], required=True)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--lora-rank", type=int, default=16)
+    add_settings_arguments(parser)
     args = parser.parse_args(argv)
-    result = run_mode(parse_mode(args.mode), args.device, args.steps, args.warmup, args.lora_rank)
+    result = run_mode(parse_mode(args.mode), args.model, args.device, args.steps, args.warmup, args.lora_rank,
+                      args.batch, args.res)
     print(json.dumps(asdict(result)), flush=True)
 
 

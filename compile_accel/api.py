@@ -54,6 +54,12 @@ class Acceleration:
         self._switches = switches
         self._stats = stats
         self._restored = False
+        self._on_restore: list[Callable[[], None]] = []
+
+    def on_restore(self, callback: Callable[[], None]) -> None:
+        """Run `callback` in restore() (after the regions are gone; last added, first run).
+        Integrations use it to undo what they changed around `apply`."""
+        self._on_restore.append(callback)
 
     def stats(self) -> dict[str, Any]:
         """Counters since apply(): regions, compiled_regions, unique_graphs, recompiles,
@@ -70,6 +76,8 @@ class Acceleration:
             patch.uninstall()
         for switch in self._switches:
             switch.restore()
+        for callback in reversed(self._on_restore):
+            callback()
         self.model.__dict__.pop(_MARK, None)
         self._restored = True
 

@@ -86,11 +86,11 @@ def bench(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"compile-accel bench: {error}", file=sys.stderr)
         return 2
-    report = runner.run_ab(modes, device, args.steps, args.warmup, args.lora_rank,
-                           progress=lambda line: print(line, file=sys.stderr, flush=True))
-    env = report["environment"]
-    print(f"\nembedded DiT, LoRA r{args.lora_rank}, {device} ({env['device_name']}), torch {env['torch']}; "
-          f"median of {args.steps} steps after {args.warmup} warm-up\n")
+    settings = runner.BenchSettings(args.model, device, args.steps, args.warmup, args.lora_rank, args.batch, args.res)
+    report = runner.run_ab(modes, settings, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    env, first = report["environment"], report["results"][0]
+    print(f"\n{first['description']}; {device} ({env['device_name']}), torch {env['torch']}; "
+          f"median of {args.steps} steps after the first step and {args.warmup} warm-up steps\n")
     print(runner.markdown_table(report))
     if args.out:
         out = Path(args.out)
@@ -106,12 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="check this setup: torch, triton, compiler, GPU, supported features")
     b = sub.add_parser("bench", help="A/B compile settings on an embedded small DiT with LoRA")
-    b.add_argument("--modes", help="comma-separated, e.g. eager+ckpt,selective+ckpt,blocks+budget=0.5")
+    b.add_argument("--modes", help="comma-separated from: eager, eager+ckpt, whole+ckpt, selective+ckpt, blocks+ckpt, "
+                                   "blocks+budget=B (default: eager+ckpt,selective+ckpt,blocks+budget=0.5,blocks+budget=1.0)")
     b.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if present, else cpu")
-    b.add_argument("--steps", type=int, default=8, help="timed steps per mode (median reported)")
-    b.add_argument("--warmup", type=int, default=2, help="steps after the first (compile) step before timing")
-    b.add_argument("--lora-rank", type=int, default=16)
     b.add_argument("--out", help="directory for bench.json and bench.md")
+    from .benchmarks.runner import add_settings_arguments
+
+    add_settings_arguments(b)
     args = parser.parse_args(argv)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     return {"doctor": doctor, "bench": bench}[args.command](args)

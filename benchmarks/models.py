@@ -1,0 +1,83 @@
+"""The models `compile-accel bench` trains: each with LoRA, a batch, and how to accelerate it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+import compile_accel
+from compile_accel import Acceleration, CompileConfig
+
+from .lora import TINY_DIT_LORA_TARGETS, KohyaStyleLoRANetwork
+from .tiny_dit import COMPILE_EXCLUDE, TinyDiT, TinyDiTConfig, make_inputs
+
+# Sized so that a step is dominated by the model on each device, and compiles in seconds on a CPU.
+TINY_CONFIGS = {
+    "cpu": TinyDiTConfig(dim=64, heads=4, text_dim=64, double_blocks=2, single_blocks=4),
+    "cuda": TinyDiTConfig(dim=1536, heads=16, text_dim=1024, double_blocks=4, single_blocks=8),
+}
+TINY_SHAPES = {"cpu": {"batch": 2, "res": 32, "text_len": 32}, "cuda": {"batch": 2, "res": 128, "text_len": 256}}
+
+
+@dataclass
+class BenchModel:
+    description: str
+    model: nn.Module
+    lora_params: list[nn.Parameter]
+    predict: Callable[[], torch.Tensor]
+    target: torch.Tensor
+    enable_checkpointing: Callable[[], None]
+    accelerate: Callable[[nn.Module, CompileConfig], Acceleration] = compile_accel.apply
+    exclude: list[str] = field(default_factory=list)
+
+
+def tiny(device: str, lora_rank: int, batch: int | None, res: int | None) -> BenchModel:
+    config = TINY_CONFIGS[device]
+    shape = dict(TINY_SHAPES[device])
+    shape["batch"] = batch or shape["batch"]
+    shape["res"] = res // 8 if res else shape["res"]  # --res is in pixels, as for the real models
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = TinyDiT(config).to(device=device, dtype=dtype).requires_grad_(False)
+    network = KohyaStyleLoRANetwork(model, TINY_DIT_LORA_TARGETS, rank=lora_rank, alpha=lora_rank).to(device)
+    model._bench_network = [network]  # kohya keeps the network outside the model
+    inputs = make_inputs(config, shape["batch"], shape["res"], shape["text_len"], device=device, dtype=dtype)
+    return BenchModel(
+        f"embedded DiT (dim {config.dim}, {config.double_blocks}+{config.single_blocks} blocks, "
+        f"{shape['res']}x{shape['res']} latents, batch {shape['batch']}), kohya-style LoRA r{lora_rank}",
+        model, list(network.parameters()), lambda: model(*inputs), torch.randn_like(inputs[0]),
+        model.enable_gradient_checkpointing, exclude=COMPILE_EXCLUDE,
+    )
+
+
+def lumina2(device: str, lora_rank: int, batch: int | None, res: int | None) -> BenchModel:
+    """diffusers' Lumina2Transformer2DModel at full size (26 layers, hidden 2304), random bf16
+    weights, peft LoRA on to_q/to_k/to_v/to_out.0 (fp32), 256 caption tokens."""
+    from diffusers import Lumina2Transformer2DModel
+    from peft import LoraConfig
+
+    from compile_accel.integrations import diffusers as accel_diffusers
+
+    batch, res = batch or 2, res or 1024
+    with torch.device(device):
+        model = Lumina2Transformer2DModel(num_layers=26, cap_feat_dim=2304).to(torch.bfloat16)
+    model.requires_grad_(False)
+    model.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_rank, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.data = p.data.float()
+    latent = res // 8
+    x = torch.randn(batch, 16, latent, latent, device=device, dtype=torch.bfloat16)
+    caption = torch.randn(batch, 256, 2304, device=device, dtype=torch.bfloat16)
+    mask = torch.ones(batch, 256, device=device, dtype=torch.bool)
+    t = torch.rand(batch, device=device)
+    return BenchModel(
+        f"diffusers Lumina2Transformer2DModel full size, batch {batch}, {res}x{res}, peft LoRA r{lora_rank}",
+        model, params, lambda: model(x, t, caption, mask, return_dict=False)[0], torch.randn_like(x),
+        model.enable_gradient_checkpointing, accel_diffusers.apply,
+    )
+
+
+MODELS: dict[str, Callable[[str, int, int | None, int | None], BenchModel]] = {"tiny": tiny, "lumina2": lumina2}
