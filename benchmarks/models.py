@@ -80,4 +80,44 @@ def lumina2(device: str, lora_rank: int, batch: int | None, res: int | None) -> 
     )
 
 
-MODELS: dict[str, Callable[[str, int, int | None, int | None], BenchModel]] = {"tiny": tiny, "lumina2": lumina2}
+def flux(device: str, lora_rank: int, batch: int | None, res: int | None) -> BenchModel:
+    """diffusers' FluxTransformer2DModel at its default (Flux-dev, ~12B) size with guidance
+    embedding, random bf16 weights, peft LoRA on the attention projections (fp32), 512 text tokens."""
+    from diffusers import FluxTransformer2DModel
+    from peft import LoraConfig
+
+    from compile_accel.integrations import diffusers as accel_diffusers
+
+    batch, res = batch or 1, res or 1024
+    with torch.device(device):
+        model = FluxTransformer2DModel(guidance_embeds=True).to(torch.bfloat16)
+    model.requires_grad_(False)
+    targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+    model.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_rank, target_modules=targets))
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.data = p.data.float()
+    side = res // 16  # 8x VAE, then 2x2 patches packed into 64 channels
+    rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3).float().to(device)
+    x = torch.randn(batch, side * side, 64, device=device, dtype=torch.bfloat16)
+    inputs = dict(
+        hidden_states=x,
+        encoder_hidden_states=torch.randn(batch, 512, 4096, device=device, dtype=torch.bfloat16),
+        pooled_projections=torch.randn(batch, 768, device=device, dtype=torch.bfloat16),
+        timestep=torch.rand(batch, device=device),
+        guidance=torch.full((batch,), 3.5, device=device),
+        img_ids=img_ids,
+        txt_ids=torch.zeros(512, 3, device=device),
+        return_dict=False,
+    )
+    return BenchModel(
+        f"diffusers FluxTransformer2DModel (Flux-dev size), batch {batch}, {res}x{res}, peft LoRA r{lora_rank}",
+        model, params, lambda: model(**inputs)[0], torch.randn_like(x), model.enable_gradient_checkpointing,
+        accel_diffusers.apply,
+    )
+
+
+MODELS: dict[str, Callable[[str, int, int | None, int | None], BenchModel]] = {
+    "tiny": tiny, "lumina2": lumina2, "flux": flux,
+}

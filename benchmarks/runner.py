@@ -10,6 +10,11 @@ each child prints last. Modes:
     selective+ckpt     checkpointing kept, compute children of each block compiled
     blocks+ckpt        whole blocks compiled with their checkpoint inside
     blocks+budget=B    whole blocks compiled with activation memory budget B, no checkpointing
+    blocks+auto        the budget chosen by calibration on the first step (--vram-limit-gib)
+
+On a GPU each child also counts the FLOPs of one LoRA step without recompute (forward and
+backward, torch.utils.flop_counter) and times a bf16 matmul, for the model FLOP utilisation:
+step FLOPs / step time / matmul rate.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import platform
 import statistics
@@ -31,8 +37,8 @@ import torch
 import compile_accel
 from compile_accel import CompileConfig
 
-from .measure import SavedActivationMeter
-from .models import MODELS
+from compile_accel.memory import SavedActivationMeter
+from .models import MODELS, BenchModel
 
 DEFAULT_MODES = ["eager+ckpt", "selective+ckpt", "blocks+budget=0.5", "blocks+budget=1.0"]
 
@@ -56,6 +62,8 @@ def parse_mode(spec: str) -> ModeSpec:
         return ModeSpec(spec, CompileConfig(mode="selective"), True)
     if head == "blocks" and rest == "ckpt":
         return ModeSpec(spec, CompileConfig(mode="blocks"), True)
+    if head == "blocks" and rest == "auto":
+        return ModeSpec(spec, CompileConfig(mode="blocks", activation_memory_budget="auto"), False)
     if head == "blocks" and rest.startswith("budget="):
         try:
             budget = float(rest.removeprefix("budget="))
@@ -65,13 +73,47 @@ def parse_mode(spec: str) -> ModeSpec:
         config.validate()
         return ModeSpec(spec, config, False)
     raise ValueError(
-        f"unknown mode {spec!r}; modes: eager, eager+ckpt, whole+ckpt, selective+ckpt, blocks+ckpt, blocks+budget=B"
+        f"unknown mode {spec!r}; modes: eager, eager+ckpt, whole+ckpt, selective+ckpt, blocks+ckpt, blocks+budget=B, "
+        "blocks+auto"
     )
 
 
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+@dataclass
+class BenchSettings:
+    """What every mode of one A/B shares (passed to each child process as flags)."""
+
+    model: str = "tiny"
+    device: str = "cpu"
+    steps: int = 8
+    warmup: int = 2
+    lora_rank: int = 16
+    batch: int | None = None
+    res: int | None = None
+    vram_limit_gib: float | None = None
+
+    def flags(self) -> list[str]:
+        flags = []
+        for name, value in asdict(self).items():
+            if value is not None:
+                flags += [f"--{name.replace('_', '-')}", str(value)]
+        return flags
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny",
+                        help="tiny: the embedded DiT; lumina2, flux: diffusers Lumina 2 / Flux-dev at full size "
+                             "(random weights, needs diffusers and peft)")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per mode (median reported)")
+    parser.add_argument("--warmup", type=int, default=2, help="steps after the first (compile) step before timing")
+    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--batch", type=int, help="batch size (default: the model's)")
+    parser.add_argument("--res", type=int, help="image resolution in pixels (default: the model's)")
+    parser.add_argument("--vram-limit-gib", type=float, help="memory limit for the blocks+auto mode (default: free GPU memory)")
 
 
 @dataclass
@@ -89,18 +131,53 @@ class StepResult:
     reserved_bytes: int | None
     loss: float
     stats: dict[str, Any] = field(default_factory=dict)
+    step_flops: int | None = None
+    matmul_tflops: float | None = None
+    mfu: float | None = None
 
 
-def run_mode(spec: ModeSpec, model_name: str, device: str, steps: int, warmup: int, lora_rank: int,
-             batch: int | None = None, res: int | None = None) -> StepResult:
+def matmul_tflops(device: str, n: int = 8192, repeats: int = 20) -> float:
+    """Measured bf16 matmul rate of the card (median of `repeats` after warm-up)."""
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * n**3 / statistics.median(times) / 1e12
+
+
+def step_flops(bench: BenchModel) -> int:
+    """FLOPs of one LoRA step without recompute: an eager forward and backward, counted."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter, torch.autocast("cuda", dtype=torch.bfloat16):
+        bench.predict().float().square().mean().backward()
+    for p in bench.lora_params:
+        p.grad = None
+    torch.cuda.empty_cache()
+    return counter.get_total_flops()
+
+
+def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
     """Build the model with LoRA, apply the mode, and time LoRA training steps."""
+    device = settings.device
     torch.manual_seed(0)
-    bench = MODELS[model_name](device, lora_rank, batch, res)
+    bench = MODELS[settings.model](device, settings.lora_rank, settings.batch, settings.res)
     model = bench.model
     model.train()
+    flops = step_flops(bench) if device == "cuda" else None
     if spec.checkpointing:
         bench.enable_checkpointing()
-    acceleration = bench.accelerate(model, dataclasses.replace(spec.config, exclude=bench.exclude))
+    config = dataclasses.replace(spec.config, exclude=bench.exclude)
+    if config.activation_memory_budget == "auto":
+        config.vram_limit_gib = settings.vram_limit_gib
+    acceleration = bench.accelerate(model, config)
     if spec.whole_model:
         model.compile()
     optimizer = torch.optim.AdamW(bench.lora_params, lr=1e-4)
@@ -118,13 +195,13 @@ def run_mode(spec: ModeSpec, model_name: str, device: str, steps: int, warmup: i
     step()
     _sync(device)
     first = time.perf_counter() - start
-    for _ in range(warmup):
+    for _ in range(settings.warmup):
         step()
     _sync(device)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = []
-    for _ in range(steps):
+    for _ in range(settings.steps):
         _sync(device)
         start = time.perf_counter()
         loss = step()
@@ -141,9 +218,11 @@ def run_mode(spec: ModeSpec, model_name: str, device: str, steps: int, warmup: i
     if spec.whole_model:
         counters = torch._dynamo.utils.counters
         stats.update(unique_graphs=counters["stats"]["unique_graphs"], graph_breaks=sum(counters["graph_break"].values()))
+    median = statistics.median(times)
+    rate = matmul_tflops(device) if device == "cuda" else None
     return StepResult(
-        spec.name, model_name, bench.description, device, steps, statistics.median(times), min(times), first,
-        peak, kind, reserved, loss, stats,
+        spec.name, settings.model, bench.description, device, settings.steps, median, min(times), first,
+        peak, kind, reserved, loss, stats, flops, rate, flops / median / (rate * 1e12) if flops else None,
     )
 
 
@@ -160,36 +239,6 @@ def environment() -> dict[str, Any]:
     except ImportError:
         env["triton"] = None
     return env
-
-
-@dataclass
-class BenchSettings:
-    """What every mode of one A/B shares (passed to each child process as flags)."""
-
-    model: str = "tiny"
-    device: str = "cpu"
-    steps: int = 8
-    warmup: int = 2
-    lora_rank: int = 16
-    batch: int | None = None
-    res: int | None = None
-
-    def flags(self) -> list[str]:
-        flags = []
-        for name, value in asdict(self).items():
-            if value is not None:
-                flags += [f"--{name.replace('_', '-')}", str(value)]
-        return flags
-
-
-def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", choices=sorted(MODELS), default="tiny",
-                        help="tiny: the embedded DiT; lumina2: diffusers Lumina 2 at full size (random weights)")
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per mode (median reported)")
-    parser.add_argument("--warmup", type=int, default=2, help="steps after the first (compile) step before timing")
-    parser.add_argument("--lora-rank", type=int, default=16)
-    parser.add_argument("--batch", type=int, help="batch size (default: the model's)")
-    parser.add_argument("--res", type=int, help="image resolution in pixels (default: the model's)")
 
 
 def run_ab(modes: list[str], settings: BenchSettings, progress: Callable[[str], None] = print) -> dict[str, Any]:
@@ -221,15 +270,17 @@ def markdown_table(report: dict[str, Any], baseline: str = "eager+ckpt") -> str:
     base = next((r for r in results if r["mode"] == baseline), None)
     kind = results[0]["peak_kind"] if results else ""
     lines = [
-        f"| mode | median s/step | min s/step | vs {baseline} | peak ({kind}) | reserved | first step s | graphs | recompiles | graph breaks | fallbacks |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| mode | median s/step | min s/step | vs {baseline} | peak ({kind}) | reserved | first step s | MFU "
+        "| graphs | recompiles | graph breaks | fallbacks |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         speedup = f"{base['step_s_median'] / r['step_s_median']:.2f}x" if base else "-"
         s = r["stats"]
         lines.append(
             f"| {r['mode']} | {r['step_s_median']:.4f} | {r['step_s_min']:.4f} | {speedup} | {_format_bytes(r['peak_bytes'])} "
-            f"| {_format_bytes(r['reserved_bytes'])} | {r['first_step_s']:.1f} | {s.get('unique_graphs', 0)} "
+            f"| {_format_bytes(r['reserved_bytes'])} | {r['first_step_s']:.1f} "
+            f"| {'-' if r.get('mfu') is None else format(r['mfu'], '.1%')} | {s.get('unique_graphs', 0)} "
             f"| {s.get('recompiles', 0)} | {s.get('graph_breaks', 0)} | {len(s.get('fallbacks', []))} |"
         )
     return "\n".join(lines)
@@ -242,8 +293,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], required=True)
     add_settings_arguments(parser)
     args = parser.parse_args(argv)
-    result = run_mode(parse_mode(args.mode), args.model, args.device, args.steps, args.warmup, args.lora_rank,
-                      args.batch, args.res)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # auto budget's table, to stderr
+    settings = BenchSettings(args.model, args.device, args.steps, args.warmup, args.lora_rank, args.batch, args.res,
+                             args.vram_limit_gib)
+    result = run_mode(parse_mode(args.mode), settings)
     print(json.dumps(asdict(result)), flush=True)
 
 

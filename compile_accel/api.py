@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from . import checkpointing
+from .auto_budget import AutoBudget
 from .blocks import BlockList, resolve_block_lists
 from .config import CompileConfig
 from .regions import CompiledFunction, Region, restore_forward
@@ -55,6 +56,7 @@ class Acceleration:
         self._stats = stats
         self._restored = False
         self._on_restore: list[Callable[[], None]] = []
+        self.auto_budget: AutoBudget | None = None
 
     def on_restore(self, callback: Callable[[], None]) -> None:
         """Run `callback` in restore() (after the regions are gone; last added, first run).
@@ -63,8 +65,13 @@ class Acceleration:
 
     def stats(self) -> dict[str, Any]:
         """Counters since apply(): regions, compiled_regions, unique_graphs, recompiles,
-        graph_breaks, compile_seconds, fallbacks, eager_nonresident_calls, and more."""
-        return {"mode": self.config.mode, **self._stats.as_dict()}
+        graph_breaks, compile_seconds, fallbacks, eager_nonresident_calls, and more; with
+        activation_memory_budget="auto", the calibration under "auto_budget" (None until the
+        first training step)."""
+        stats = {"mode": self.config.mode, **self._stats.as_dict()}
+        if self.auto_budget is not None:
+            stats["auto_budget"] = self.auto_budget.result
+        return stats
 
     def restore(self) -> None:
         """Put the model back to plain eager execution (and its checkpointing as it was)."""
@@ -127,6 +134,11 @@ def apply(
     _check_model(model)
     if config.mode != "off":
         _check_backend(config)
+    if config.activation_memory_budget == "auto" and config.vram_limit_gib is None and not torch.cuda.is_available():
+        raise ValueError(
+            "activation_memory_budget='auto' without a GPU needs CompileConfig.vram_limit_gib "
+            "(on a CPU the limit applies to the bytes saved for backward)"
+        )
     block_lists = resolve_block_lists(model, blocks)
 
     stats = Stats()
@@ -158,5 +170,13 @@ def apply(
     for region in regions:
         region.install()
     acceleration = Acceleration(model, config, block_lists, regions, eager_patches, switches, stats)
+    if config.activation_memory_budget == "auto":
+
+        def set_budget(budget: float, counts: Stats) -> None:
+            for fn in shared.values():
+                fn.use_budget(budget, counts)
+
+        acceleration.auto_budget = AutoBudget(model, set_budget, stats, config.vram_limit_gib)
+        acceleration.on_restore(acceleration.auto_budget.handle.remove)
     model.__dict__[_MARK] = acceleration
     return acceleration

@@ -72,9 +72,9 @@ class RegionBackend:
     is a recompile, and compiles with the budget patched in.
     """
 
-    def __init__(self, config: CompileConfig, stats: Stats) -> None:
+    def __init__(self, config: CompileConfig, budget: float | None, stats: Stats) -> None:
         self.inner = _inner_backend(config)
-        self.budget = config.activation_memory_budget
+        self.budget = budget
         self.stats = stats
         self.saw_checkpoint = False
 

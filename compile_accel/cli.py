@@ -76,7 +76,7 @@ def doctor(args: argparse.Namespace) -> int:
 def bench(args: argparse.Namespace) -> int:
     import torch
 
-    from .benchmarks import runner
+    from .benchmarks import plot, runner
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     modes = args.modes.split(",") if args.modes else runner.DEFAULT_MODES
@@ -86,7 +86,8 @@ def bench(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"compile-accel bench: {error}", file=sys.stderr)
         return 2
-    settings = runner.BenchSettings(args.model, device, args.steps, args.warmup, args.lora_rank, args.batch, args.res)
+    settings = runner.BenchSettings(args.model, device, args.steps, args.warmup, args.lora_rank, args.batch, args.res,
+                                    args.vram_limit_gib)
     report = runner.run_ab(modes, settings, progress=lambda line: print(line, file=sys.stderr, flush=True))
     env, first = report["environment"], report["results"][0]
     print(f"\n{first['description']}; {device} ({env['device_name']}), torch {env['torch']}; "
@@ -97,7 +98,9 @@ def bench(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "bench.json").write_text(json.dumps(report, indent=2))
         (out / "bench.md").write_text(runner.markdown_table(report) + "\n")
-        print(f"\nwrote {out / 'bench.json'} and {out / 'bench.md'}")
+        plotted = plot.plot(report, out / "bench.png")
+        print(f"\nwrote {out / 'bench.json'}, {out / 'bench.md'}"
+              + (f" and {out / 'bench.png'}" if plotted else " (no plot: matplotlib is not installed)"))
     return 0
 
 

@@ -20,7 +20,10 @@ class CompileConfig:
         this fraction of the block's activations for backward and recomputes the rest
         (0.0 ~ full checkpointing, 1.0 ~ no recompute). A budget replaces the model's own
         checkpointing of the compiled blocks. None keeps PyTorch's default and the model's
-        checkpointing as it is.
+        checkpointing as it is. "auto" times a few budgets on the first training batch and
+        keeps the fastest whose peak memory fits `vram_limit_gib` (see compile_accel.auto_budget).
+    vram_limit_gib: the memory "auto" must fit, in GiB of peak allocated memory; None: what
+        the GPU has free (plus what this process already holds) minus a margin.
     dynamic: None lets dynamo decide (one static graph, a dynamic one on the first new shape);
         True compiles with symbolic shapes from the start, so the token counts of aspect-ratio
         buckets share one graph (parameter shapes stay static); False compiles one static
@@ -37,23 +40,27 @@ class CompileConfig:
     """
 
     mode: str = "selective"
-    activation_memory_budget: float | None = None
+    activation_memory_budget: float | str | None = None
     dynamic: bool | None = None
     backend: str = "inductor"
     compile_mode: str | None = None
     fullgraph: bool = False
     recompile_limit: int = 64
     exclude: list[str] = field(default_factory=list)
+    vram_limit_gib: float | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and what it allows."""
         if self.mode not in MODES:
             raise ValueError(f"CompileConfig.mode must be one of {MODES}, got {self.mode!r}")
         budget = self.activation_memory_budget
-        if budget is not None:
+        if budget == "auto":
+            if self.mode != "blocks":
+                raise ValueError(f"CompileConfig.activation_memory_budget='auto' applies to mode='blocks' only (got mode={self.mode!r})")
+        elif budget is not None:
             if isinstance(budget, bool) or not isinstance(budget, (int, float)) or math.isnan(budget):
                 raise ValueError(
-                    f"CompileConfig.activation_memory_budget must be a number in [0.0, 1.0] or None, got {budget!r}"
+                    f"CompileConfig.activation_memory_budget must be a number in [0.0, 1.0], 'auto' or None, got {budget!r}"
                 )
             if not 0.0 <= budget <= 1.0:
                 raise ValueError(
@@ -65,6 +72,11 @@ class CompileConfig:
                     f"(got mode={self.mode!r}); selective regions sit inside an eager checkpoint "
                     "that discards what the partitioner would save"
                 )
+        limit = self.vram_limit_gib
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0):
+            raise ValueError(f"CompileConfig.vram_limit_gib must be a positive number of GiB or None, got {limit!r}")
+        if limit is not None and budget != "auto":
+            raise ValueError("CompileConfig.vram_limit_gib applies to activation_memory_budget='auto' only")
         if self.dynamic not in (None, True, False):
             raise ValueError(f"CompileConfig.dynamic must be None, True or False, got {self.dynamic!r}")
         if not isinstance(self.backend, str) or not self.backend:

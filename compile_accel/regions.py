@@ -38,20 +38,27 @@ class CompiledFunction:
 
     def __init__(self, fn: Callable, config: CompileConfig, stats: Stats) -> None:
         self.fn = fn
-        self.stats = stats
-        self.backend = RegionBackend(config, stats)
-        kwargs: dict[str, Any] = {"backend": self.backend, "fullgraph": config.fullgraph}
-        kwargs["dynamic"] = config.dynamic
-        if COMPILE_TAKES_RECOMPILE_LIMIT:
-            kwargs["recompile_limit"] = config.recompile_limit
-        self.compiled = torch.compile(fn, **kwargs)
+        self.config = config
         self.recompile_limit = config.recompile_limit
         self.regions: list[str] = []
         self.failure: str | None = None
         self._warned_checkpoint = False
+        budget = config.activation_memory_budget
+        self.use_budget(None if budget == "auto" else budget, stats)
         code = getattr(fn, "__code__", None)
         if code is not None:
             RECOMPILE_LIMIT_WATCHER.listen(self, code, self._on_recompile_limit)
+
+    def use_budget(self, budget: float | None, stats: Stats) -> None:
+        """Compile with `budget` from now on, counting into `stats`. Dynamo keeps the graphs
+        compiled for earlier budgets (the backend is part of their guards)."""
+        self.stats = stats
+        self.backend = RegionBackend(self.config, budget, stats)
+        kwargs: dict[str, Any] = {"backend": self.backend, "fullgraph": self.config.fullgraph}
+        kwargs["dynamic"] = self.config.dynamic
+        if COMPILE_TAKES_RECOMPILE_LIMIT:
+            kwargs["recompile_limit"] = self.recompile_limit
+        self.compiled = torch.compile(self.fn, **kwargs)
 
     @property
     def name(self) -> str:
@@ -109,21 +116,26 @@ def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
 
 
-def _requiring_grad(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Floating inputs as tensors that require grad.
+def _canonical_inputs(args: tuple, kwargs: dict, training: bool) -> tuple[tuple, dict]:
+    """Tensor inputs in one layout, so every block of a list shares one graph.
 
-    The first block of a list is fed by frozen embedders (no grad), the others by blocks with
-    LoRA (grad): without this each block class compiles twice. A tensor that does not require
-    grad has no autograd history, so its detached alias loses nothing; the price is the input
-    gradient of the first block, which backward now computes and drops.
+    Strided views (Flux's single blocks get slices of a concatenated tensor, except the
+    first) are made contiguous. In training, floating inputs are made to require grad: the
+    first block of a list is fed by frozen embedders (no grad), the others by blocks with
+    LoRA. A tensor that does not require grad has no autograd history, so its detached alias
+    loses nothing; the price is the first block's input gradient, computed and dropped.
     """
 
-    def lift(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and not value.requires_grad:
-            return value.detach().requires_grad_(True)
+    def canonical(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        if not (value.is_contiguous() or value.is_contiguous(memory_format=torch.channels_last)):
+            value = value.contiguous()
+        if training and value.is_floating_point() and not value.requires_grad:
+            value = value.detach().requires_grad_(True)
         return value
 
-    return tuple(lift(v) for v in args), {k: lift(v) for k, v in kwargs.items()}
+    return tuple(canonical(v) for v in args), {k: canonical(v) for k, v in kwargs.items()}
 
 
 def _under_outer_checkpoint(module: nn.Module) -> bool:
@@ -143,7 +155,6 @@ class Region:
         self.name = name
         self.module = module
         self.shared = shared
-        self.stats = shared.stats
         self.eager = module.forward
         self.owner = _split_method(self.eager)[1]
         self.tensors = [*module.parameters(), *module.buffers()]
@@ -172,16 +183,16 @@ class Region:
         if shared.failure is not None:
             return self.eager(*args, **kwargs)
         if not self._resident(_tensors(args, kwargs)):
-            self.stats.eager_nonresident_calls += 1
+            shared.stats.eager_nonresident_calls += 1
             return self.eager(*args, **kwargs)
         if self.check_outer_checkpoint:
             self.check_outer_checkpoint = False
             if _under_outer_checkpoint(self.module):
                 shared.note_still_checkpointed([self.name], "called inside torch.utils.checkpoint")
         ensure_thread_settings(self.recompile_limit)
-        if self.module.training and torch.is_grad_enabled():
-            args, kwargs = _requiring_grad(args, kwargs)
-        graphs, breaks, start = self.stats.graphs, graph_break_total(), time.perf_counter()
+        args, kwargs = _canonical_inputs(args, kwargs, self.module.training and torch.is_grad_enabled())
+        stats = shared.stats
+        graphs, breaks, start = stats.graphs, graph_break_total(), time.perf_counter()
         try:
             if self.owner is None:
                 out = shared.compiled(*args, **kwargs)
@@ -193,9 +204,9 @@ class Region:
         except torch._dynamo.exc.TorchDynamoException as error:
             shared.fail(_failure_reason(error))
             return self.eager(*args, **kwargs)
-        if self.stats.graphs != graphs:
-            self.stats.compile_seconds += time.perf_counter() - start
-            self.stats.graph_breaks += graph_break_total() - breaks
+        if stats.graphs != graphs:
+            stats.compile_seconds += time.perf_counter() - start
+            stats.graph_breaks += graph_break_total() - breaks
             if shared.backend.saw_checkpoint:
                 shared.backend.saw_checkpoint = False
                 shared.note_still_checkpointed(shared.regions, "their forward calls torch.utils.checkpoint")

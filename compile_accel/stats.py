@@ -49,6 +49,18 @@ class Stats:
             self.recompiles += 1
         self.signatures.add(signature)
 
+    def absorb(self, other: Stats) -> None:
+        """Add the counts of `other` (the calibration run of the budget that was chosen)."""
+        self.graphs += other.graphs
+        self.recompiles += other.recompiles
+        self.signatures |= other.signatures
+        self.graph_breaks += other.graph_breaks
+        self.compile_seconds += other.compile_seconds
+        self.eager_nonresident_calls += other.eager_nonresident_calls
+        self.recompile_limit_hits += other.recompile_limit_hits
+        self.fallbacks += other.fallbacks
+        self.still_checkpointed += [r for r in other.still_checkpointed if r not in self.still_checkpointed]
+
     def as_dict(self) -> dict[str, Any]:
         fallen = {name for name, _ in self.fallbacks}
         return {

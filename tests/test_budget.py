@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 import compile_accel
 from compile_accel import CompileConfig
-from compile_accel.benchmarks.measure import SavedActivationMeter
+from compile_accel.memory import SavedActivationMeter
 
 
 def _saved_bytes(model: nn.Module, res: int) -> int:

@@ -33,6 +33,7 @@ def test_bench_runs_each_mode_and_writes_json(tmp_path) -> None:
     assert results["blocks+budget=1.0"]["stats"]["compiled_regions"] > 0
     assert results["eager+ckpt"]["stats"]["regions"] == 0
     assert "| blocks+budget=1.0 |" in proc.stdout and "vs eager+ckpt" in proc.stdout
+    assert (tmp_path / "bench.md").read_text().count("\n") == 4  # header, rule, two modes
     assert report["environment"]["torch"]
 
 
@@ -55,3 +56,11 @@ def test_parse_mode(spec: str, mode: str, budget: float | None, ckpt: bool) -> N
 def test_parse_mode_rejects_out_of_range_budget() -> None:
     with pytest.raises(ValueError, match=r"\[0.0, 1.0\]"):
         parse_mode("blocks+budget=1.5")
+
+
+def test_pareto_front_keeps_only_undominated_settings() -> None:
+    from compile_accel.benchmarks.plot import pareto_front
+
+    # (GiB, s/step): eager+ckpt is beaten on both by the 0.1 budget; 1.0 is fastest, 0.1 smallest.
+    points = [(10.8, 0.62), (8.8, 0.37), (8.9, 0.33), (14.7, 0.30), (24.7, 0.26), (15.0, 0.31)]
+    assert pareto_front(points) == [1, 2, 3, 4]

@@ -1,4 +1,4 @@
-"""Measuring a training step: saved activation bytes (the CPU's stand-in for peak memory)."""
+"""Saved activation bytes: what a CPU has instead of a peak-memory counter."""
 
 from __future__ import annotations
 

@@ -1,0 +1,112 @@
+"""activation_memory_budget="auto": selection logic, calibration on the first training step
+(with a scripted measurement), the cache, and a training step left as it would have been."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build, inputs_for, lora_step, relative_error
+
+import compile_accel
+from compile_accel import CompileConfig
+from compile_accel.auto_budget import CANDIDATES, GIB, Measurement, cache_path, choose
+
+# The min-cut partitioner with the budget, without inductor's code generation: calibration
+# compiles every candidate, and this keeps that quick on a CPU.
+BACKEND = "aot_eager_decomp_partition"
+
+
+def test_choose_fastest_within_the_limit() -> None:
+    table = [Measurement(0.0, 1.0, 5), Measurement(0.5, 0.7, 8), Measurement(1.0, 0.5, 12)]
+    assert choose(table, 10) == (table[1], True)
+    assert choose(table, 12) == (table[2], True)
+    assert choose(table, 4) == (table[0], False)  # nothing fits: the lowest peak
+
+
+def _scripted(peaks_gib: dict[float, float], seconds: dict[float, float], calls: list[float]):
+    """A measurement that runs the step (so the budget really compiles) and reports scripted numbers."""
+
+    def measure(run, device, parameters):
+        budget = CANDIDATES[len(calls)]
+        calls.append(budget)
+        run()
+        return seconds[budget], int(peaks_gib[budget] * GIB)
+
+    return measure
+
+
+PEAKS = {0.0: 1.0, 0.1: 1.5, 0.3: 2.0, 0.5: 2.5, 0.7: 3.0, 1.0: 4.0}
+SECONDS = {0.0: 0.9, 0.1: 0.8, 0.3: 0.7, 0.5: 0.6, 0.7: 0.5, 1.0: 0.4}
+
+
+def test_calibration_picks_the_fastest_fitting_budget_and_leaves_training_unchanged(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("COMPILE_ACCEL_CACHE_DIR", str(tmp_path))
+    model, params = build("kohya", "non-reentrant")
+    inputs = inputs_for(model)
+    expected_loss, expected_grads = lora_step(model, params, inputs)
+
+    config = CompileConfig(mode="blocks", activation_memory_budget="auto", vram_limit_gib=2.6, backend=BACKEND)
+    acceleration = compile_accel.apply(model, config)
+    calls: list[float] = []
+    acceleration.auto_budget.measure = _scripted(PEAKS, SECONDS, calls)
+    assert acceleration.stats()["auto_budget"] is None
+    rng = torch.get_rng_state()
+    loss, grads = lora_step(model, params, inputs)
+
+    assert calls == list(CANDIDATES)
+    result = acceleration.stats()["auto_budget"]
+    assert result["budget"] == 0.5 and result["fits"] and not result["cached"]  # fastest under 2.6 GiB
+    assert {shared.backend.budget for shared in {r.shared for r in acceleration.regions}} == {0.5}
+    assert torch.equal(torch.get_rng_state(), rng)
+    # The step that triggered calibration is the step the model would have taken.
+    assert relative_error(loss, expected_loss) < 1e-4
+    assert all(relative_error(g, e) < 1e-4 for g, e in zip(grads, expected_grads, strict=True))
+    assert cache_path().is_file()
+
+    # The same training again: the cache answers, nothing is measured.
+    torch._dynamo.reset()
+    again, params = build("kohya", "non-reentrant")
+    acceleration = compile_accel.apply(again, config)
+    calls.clear()
+    acceleration.auto_budget.measure = _scripted(PEAKS, SECONDS, calls)
+    lora_step(again, params, inputs)
+    assert calls == []
+    assert acceleration.stats()["auto_budget"]["cached"] and acceleration.stats()["auto_budget"]["budget"] == 0.5
+
+
+def test_nothing_fits_warns_and_takes_the_lowest_peak(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("COMPILE_ACCEL_CACHE_DIR", str(tmp_path))
+    model, params = build("kohya", None)
+    acceleration = compile_accel.apply(
+        model, CompileConfig(mode="blocks", activation_memory_budget="auto", vram_limit_gib=0.5, backend=BACKEND)
+    )
+    acceleration.auto_budget.measure = _scripted(PEAKS, SECONDS, [])
+    with pytest.warns(RuntimeWarning, match="no activation memory budget fits"):
+        lora_step(model, params, inputs_for(model))
+    assert acceleration.stats()["auto_budget"]["budget"] == 0.0
+
+
+def test_calibration_waits_for_a_training_step(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("COMPILE_ACCEL_CACHE_DIR", str(tmp_path))
+    model, _ = build("kohya", None)
+    acceleration = compile_accel.apply(
+        model, CompileConfig(mode="blocks", activation_memory_budget="auto", vram_limit_gib=1.0, backend=BACKEND)
+    )
+    calls: list[float] = []
+    acceleration.auto_budget.measure = _scripted(PEAKS, SECONDS, calls)
+    with torch.no_grad():
+        model(*inputs_for(model))  # sampling / validation: no calibration
+    assert calls == [] and acceleration.stats()["auto_budget"] is None
+
+
+def test_auto_budget_config_errors() -> None:
+    model, _ = build("kohya", None)
+    with pytest.raises(ValueError, match="applies to mode='blocks' only"):
+        compile_accel.apply(model, CompileConfig(mode="selective", activation_memory_budget="auto"))
+    with pytest.raises(ValueError, match="vram_limit_gib must be a positive number"):
+        compile_accel.apply(model, CompileConfig(mode="blocks", activation_memory_budget="auto", vram_limit_gib=-1))
+    with pytest.raises(ValueError, match="vram_limit_gib applies to activation_memory_budget='auto' only"):
+        compile_accel.apply(model, CompileConfig(mode="blocks", activation_memory_budget=0.5, vram_limit_gib=8))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="without a GPU needs CompileConfig.vram_limit_gib"):
+            compile_accel.apply(model, CompileConfig(mode="blocks", activation_memory_budget="auto"))

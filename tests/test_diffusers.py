@@ -1,0 +1,139 @@
+"""diffusers adapters on small configs: real-valued RoPE parity, LoRA-gradient parity, one
+graph per block class, and restore()."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+from conftest import relative_error
+from diffusers import FluxTransformer2DModel, Lumina2Transformer2DModel
+from diffusers.models import embeddings
+from diffusers.models.transformers import transformer_lumina2
+from peft import LoraConfig
+
+from compile_accel import CompileConfig
+from compile_accel.integrations import diffusers as accel_diffusers
+from compile_accel.rotary import real_table, rotate_interleaved
+
+TOLERANCE = 1e-4
+LORA = LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"], init_lora_weights=False)
+
+
+def test_real_rotary_matches_complex() -> None:
+    x = torch.randn(2, 24, 4, 16)
+    angles = torch.rand(2, 24, 8) * 6.3
+    freqs = torch.polar(torch.ones_like(angles), angles)
+    expected = embeddings.apply_rotary_emb(x, freqs, use_real=False)
+    assert relative_error(rotate_interleaved(x, real_table(freqs), head_dim=2), expected) < 1e-6
+
+
+def _lumina2(layers: int = 2) -> tuple[Lumina2Transformer2DModel, list[torch.nn.Parameter], tuple]:
+    model = Lumina2Transformer2DModel(
+        sample_size=16, in_channels=4, hidden_size=64, num_layers=layers, num_refiner_layers=2,
+        num_attention_heads=4, num_kv_heads=2, multiple_of=16, cap_feat_dim=32, axes_dim_rope=(8, 4, 4),
+        axes_lens=(64, 32, 32),
+    )
+    model.requires_grad_(False)
+    model.add_adapter(LORA)
+    model.train()
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    mask[1, 6:] = False  # captions of two lengths: the joint blocks get an attention mask
+    inputs = (torch.randn(2, 4, 16, 16), torch.rand(2), torch.randn(2, 8, 32), mask)
+    return model, [p for p in model.parameters() if p.requires_grad], inputs
+
+
+def _step(model, params, inputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    loss = model(*inputs, return_dict=False)[0].square().mean()
+    loss.backward()
+    grads = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("config", [
+    CompileConfig(mode="blocks", activation_memory_budget=0.5),
+    CompileConfig(mode="selective"),
+], ids=["blocks-budget-0.5", "selective"])
+def test_lumina2_lora_gradients_match_eager_with_one_graph_per_block_kind(config: CompileConfig) -> None:
+    model, params, inputs = _lumina2()
+    model.enable_gradient_checkpointing()
+    expected_loss, expected_grads = _step(model, params, inputs)
+    acceleration = accel_diffusers.apply(model, config)
+    loss, grads = _step(model, params, inputs)
+    assert relative_error(loss, expected_loss) < TOLERANCE
+    assert all(relative_error(g, e) < TOLERANCE for g, e in zip(grads, expected_grads, strict=True))
+    stats = acceleration.stats()
+    assert stats["fallbacks"] == [] and stats["graph_breaks"] == 0  # complex RoPE is gone from the blocks
+    if config.mode == "blocks":
+        assert stats["checkpointing_switched_off"] == ["Lumina2Transformer2DModel"]
+        assert not model.gradient_checkpointing
+
+    # Deeper model, same block classes: no more graphs.
+    torch._dynamo.reset()
+    deeper, params, inputs = _lumina2(layers=4)
+    deeper_acceleration = accel_diffusers.apply(deeper, config)
+    _step(deeper, params, inputs)
+    assert deeper_acceleration.stats()["unique_graphs"] == stats["unique_graphs"]
+
+
+def test_lumina2_restore_undoes_the_rotary_rewrite() -> None:
+    model, params, inputs = _lumina2()
+    expected_loss, _ = _step(model, params, inputs)
+    before = transformer_lumina2.apply_rotary_emb  # still rewritten if an earlier model was not restored
+    acceleration = accel_diffusers.apply(model, CompileConfig(mode="off"))
+    assert transformer_lumina2.apply_rotary_emb is not embeddings.apply_rotary_emb
+    acceleration.restore()
+    assert transformer_lumina2.apply_rotary_emb is before
+    assert "forward" not in model.rope_embedder.__dict__
+    assert torch.equal(_step(model, params, inputs)[0], expected_loss)
+
+
+def test_bad_config_leaves_lumina2_untouched() -> None:
+    model, _, _ = _lumina2()
+    before = transformer_lumina2.apply_rotary_emb
+    with pytest.raises(ValueError, match="activation_memory_budget"):
+        accel_diffusers.apply(model, CompileConfig(mode="blocks", activation_memory_budget=2.0))
+    assert transformer_lumina2.apply_rotary_emb is before
+    assert "forward" not in model.rope_embedder.__dict__
+
+
+def test_flux_lora_gradients_match_eager() -> None:
+    model = FluxTransformer2DModel(
+        in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=(4, 6, 6),
+    )
+    model.requires_grad_(False)
+    model.add_adapter(LORA)
+    model.train()
+    model.enable_gradient_checkpointing()
+    params = [p for p in model.parameters() if p.requires_grad]
+    img_ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(6.0), torch.arange(6.0), indexing="ij"), -1).reshape(-1, 3)
+    inputs = dict(
+        hidden_states=torch.randn(2, 36, 16), encoder_hidden_states=torch.randn(2, 8, 32),
+        pooled_projections=torch.randn(2, 16), timestep=torch.rand(2), img_ids=img_ids, txt_ids=torch.zeros(8, 3),
+        return_dict=False,
+    )
+
+    def step() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        loss = model(**inputs)[0].square().mean()
+        loss.backward()
+        grads = [p.grad.clone() for p in params]
+        for p in params:
+            p.grad = None
+        return loss.detach(), grads
+
+    expected_loss, expected_grads = step()
+    acceleration = accel_diffusers.apply(model, CompileConfig(mode="blocks", activation_memory_budget=0.5))
+    loss, grads = step()
+    assert relative_error(loss, expected_loss) < TOLERANCE
+    assert all(relative_error(g, e) < TOLERANCE for g, e in zip(grads, expected_grads, strict=True))
+    stats = acceleration.stats()
+    assert stats["regions"] == 4 and stats["unique_graphs"] == 2 and stats["fallbacks"] == []
+
+
+def test_model_without_adapter_is_refused() -> None:
+    with pytest.raises(ValueError, match="no diffusers adapter for Linear"):
+        accel_diffusers.apply(torch.nn.Linear(2, 2), CompileConfig(mode="blocks"))
