@@ -89,6 +89,9 @@ def flux(device: str, lora_rank: int, batch: int | None, res: int | None) -> Ben
     from compile_accel.integrations import diffusers as accel_diffusers
 
     batch, res = batch or 1, res or 1024
+    # Seen on an H200 with torch 2.11+cu130: cuDNN attention fails on Flux's shapes
+    # (mha_graph.execute, then CUBLAS_STATUS_EXECUTION_FAILED); flash attention does not.
+    torch.backends.cuda.enable_cudnn_sdp(False)
     with torch.device(device):
         model = FluxTransformer2DModel(guidance_embeds=True).to(torch.bfloat16)
     model.requires_grad_(False)

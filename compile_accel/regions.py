@@ -43,6 +43,7 @@ class CompiledFunction:
         self.regions: list[str] = []
         self.failure: str | None = None
         self._warned_checkpoint = False
+        self._by_budget: dict[float | None, tuple[RegionBackend, Callable]] = {}
         budget = config.activation_memory_budget
         self.use_budget(None if budget == "auto" else budget, stats)
         code = getattr(fn, "__code__", None)
@@ -50,15 +51,17 @@ class CompiledFunction:
             RECOMPILE_LIMIT_WATCHER.listen(self, code, self._on_recompile_limit)
 
     def use_budget(self, budget: float | None, stats: Stats) -> None:
-        """Compile with `budget` from now on, counting into `stats`. Dynamo keeps the graphs
-        compiled for earlier budgets (the backend is part of their guards)."""
-        self.stats = stats
-        self.backend = RegionBackend(self.config, budget, stats)
-        kwargs: dict[str, Any] = {"backend": self.backend, "fullgraph": self.config.fullgraph}
-        kwargs["dynamic"] = self.config.dynamic
-        if COMPILE_TAKES_RECOMPILE_LIMIT:
-            kwargs["recompile_limit"] = self.recompile_limit
-        self.compiled = torch.compile(self.fn, **kwargs)
+        """Compile with `budget` from now on, counting into `stats`. Each budget keeps its own
+        backend and torch.compile wrapper: the backend is part of dynamo's guards, so going
+        back to a budget reuses the graphs compiled for it."""
+        if budget not in self._by_budget:
+            backend = RegionBackend(self.config, budget, stats)
+            kwargs: dict[str, Any] = {"backend": backend, "fullgraph": self.config.fullgraph, "dynamic": self.config.dynamic}
+            if COMPILE_TAKES_RECOMPILE_LIMIT:
+                kwargs["recompile_limit"] = self.recompile_limit
+            self._by_budget[budget] = (backend, torch.compile(self.fn, **kwargs))
+        self.backend, self.compiled = self._by_budget[budget]
+        self.backend.stats = self.stats = stats
 
     @property
     def name(self) -> str:

@@ -110,3 +110,18 @@ def test_auto_budget_config_errors() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="without a GPU needs CompileConfig.vram_limit_gib"):
             compile_accel.apply(model, CompileConfig(mode="blocks", activation_memory_budget="auto"))
+
+
+def test_chosen_budget_reuses_its_calibration_graphs(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("COMPILE_ACCEL_CACHE_DIR", str(tmp_path))
+    model, params = build("kohya", None)
+    acceleration = compile_accel.apply(
+        model, CompileConfig(mode="blocks", activation_memory_budget="auto", vram_limit_gib=2.6, backend=BACKEND)
+    )
+    acceleration.auto_budget.measure = _scripted(PEAKS, SECONDS, [])
+    inputs = inputs_for(model)
+    lora_step(model, params, inputs)
+    after_calibration = acceleration.stats()
+    lora_step(model, params, inputs)
+    assert acceleration.stats()["unique_graphs"] == after_calibration["unique_graphs"] == 2
+    assert acceleration.stats()["recompiles"] == 0
