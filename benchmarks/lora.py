@@ -37,7 +37,9 @@ class KohyaStyleLoRA(nn.Module):
 class KohyaStyleLoRANetwork(nn.Module):
     """All LoRA modules of a model, held outside it (as kohya's LoRANetwork does)."""
 
-    def __init__(self, model: nn.Module, targets: list[str], rank: int = 4, alpha: float = 4.0, up_init_std: float = 0.0) -> None:
+    def __init__(
+        self, model: nn.Module, targets: list[str], rank: int = 4, alpha: float = 4.0, up_init_std: float = 0.0
+    ) -> None:
         super().__init__()
         self.loras = nn.ModuleDict()
         for name, module in model.named_modules():

@@ -47,8 +47,12 @@ def tiny(device: str, lora_rank: int, batch: int | None, res: int | None) -> Ben
     return BenchModel(
         f"embedded DiT (dim {config.dim}, {config.double_blocks}+{config.single_blocks} blocks, "
         f"{shape['res']}x{shape['res']} latents, batch {shape['batch']}), kohya-style LoRA r{lora_rank}",
-        model, list(network.parameters()), lambda: model(*inputs), torch.randn_like(inputs[0]),
-        model.enable_gradient_checkpointing, exclude=COMPILE_EXCLUDE,
+        model,
+        list(network.parameters()),
+        lambda: model(*inputs),
+        torch.randn_like(inputs[0]),
+        model.enable_gradient_checkpointing,
+        exclude=COMPILE_EXCLUDE,
     )
 
 
@@ -64,7 +68,9 @@ def lumina2(device: str, lora_rank: int, batch: int | None, res: int | None) -> 
     with torch.device(device):
         model = Lumina2Transformer2DModel(num_layers=26, cap_feat_dim=2304).to(torch.bfloat16)
     model.requires_grad_(False)
-    model.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_rank, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    model.add_adapter(
+        LoraConfig(r=lora_rank, lora_alpha=lora_rank, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
+    )
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.data = p.data.float()
@@ -75,8 +81,12 @@ def lumina2(device: str, lora_rank: int, batch: int | None, res: int | None) -> 
     t = torch.rand(batch, device=device)
     return BenchModel(
         f"diffusers Lumina2Transformer2DModel full size, batch {batch}, {res}x{res}, peft LoRA r{lora_rank}",
-        model, params, lambda: model(x, t, caption, mask, return_dict=False)[0], torch.randn_like(x),
-        model.enable_gradient_checkpointing, accel_diffusers.apply,
+        model,
+        params,
+        lambda: model(x, t, caption, mask, return_dict=False)[0],
+        torch.randn_like(x),
+        model.enable_gradient_checkpointing,
+        accel_diffusers.apply,
     )
 
 
@@ -116,11 +126,17 @@ def flux(device: str, lora_rank: int, batch: int | None, res: int | None) -> Ben
     )
     return BenchModel(
         f"diffusers FluxTransformer2DModel (Flux-dev size), batch {batch}, {res}x{res}, peft LoRA r{lora_rank}",
-        model, params, lambda: model(**inputs)[0], torch.randn_like(x), model.enable_gradient_checkpointing,
+        model,
+        params,
+        lambda: model(**inputs)[0],
+        torch.randn_like(x),
+        model.enable_gradient_checkpointing,
         accel_diffusers.apply,
     )
 
 
 MODELS: dict[str, Callable[[str, int, int | None, int | None], BenchModel]] = {
-    "tiny": tiny, "lumina2": lumina2, "flux": flux,
+    "tiny": tiny,
+    "lumina2": lumina2,
+    "flux": flux,
 }

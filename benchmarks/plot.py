@@ -10,7 +10,8 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
     """Indices of the points no other point beats on both coordinates (lower is better),
     in increasing order of the first coordinate."""
     front = [
-        i for i, (x, y) in enumerate(points)
+        i
+        for i, (x, y) in enumerate(points)
         if not any((ox <= x and oy <= y) and (ox, oy) != (x, y) for ox, oy in points)
     ]
     return sorted(front, key=lambda i: points[i])
@@ -31,8 +32,13 @@ def plot(report: dict[str, Any], path: Path) -> bool:
     front = pareto_front(list(zip(memory, seconds)))
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     ax.scatter(memory, seconds, color="tab:blue", zorder=3)
-    ax.plot([memory[i] for i in front], [seconds[i] for i in front], color="tab:orange", zorder=2,
-            label="Pareto front (nothing is both faster and smaller)")
+    ax.plot(
+        [memory[i] for i in front],
+        [seconds[i] for i in front],
+        color="tab:orange",
+        zorder=2,
+        label="Pareto front (nothing is both faster and smaller)",
+    )
     for r, x, y in zip(results, memory, seconds):
         ax.annotate(r["mode"], (x, y), textcoords="offset points", xytext=(6, 4), fontsize=8)
     ax.set_xlabel(f"peak memory, GiB ({results[0]['peak_kind']})")

@@ -34,7 +34,6 @@ from typing import Any, Callable
 
 import torch
 
-import compile_accel
 from compile_accel import CompileConfig
 
 from compile_accel.memory import SavedActivationMeter
@@ -105,15 +104,21 @@ class BenchSettings:
 
 
 def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", choices=sorted(MODELS), default="tiny",
-                        help="tiny: the embedded DiT; lumina2, flux: diffusers Lumina 2 / Flux-dev at full size "
-                             "(random weights, needs diffusers and peft)")
+    parser.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="tiny",
+        help="tiny: the embedded DiT; lumina2, flux: diffusers Lumina 2 / Flux-dev at full size "
+        "(random weights, needs diffusers and peft)",
+    )
     parser.add_argument("--steps", type=int, default=8, help="timed steps per mode (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="steps after the first (compile) step before timing")
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--batch", type=int, help="batch size (default: the model's)")
     parser.add_argument("--res", type=int, help="image resolution in pixels (default: the model's)")
-    parser.add_argument("--vram-limit-gib", type=float, help="memory limit for the blocks+auto mode (default: free GPU memory)")
+    parser.add_argument(
+        "--vram-limit-gib", type=float, help="memory limit for the blocks+auto mode (default: free GPU memory)"
+    )
 
 
 @dataclass
@@ -217,12 +222,28 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
     stats = acceleration.stats()
     if spec.whole_model:
         counters = torch._dynamo.utils.counters
-        stats.update(unique_graphs=counters["stats"]["unique_graphs"], graph_breaks=sum(counters["graph_break"].values()))
+        stats.update(
+            unique_graphs=counters["stats"]["unique_graphs"], graph_breaks=sum(counters["graph_break"].values())
+        )
     median = statistics.median(times)
     rate = matmul_tflops(device) if device == "cuda" else None
     return StepResult(
-        spec.name, settings.model, bench.description, device, settings.steps, median, min(times), first,
-        peak, kind, reserved, loss, stats, flops, rate, flops / median / (rate * 1e12) if flops else None,
+        spec.name,
+        settings.model,
+        bench.description,
+        device,
+        settings.steps,
+        median,
+        min(times),
+        first,
+        peak,
+        kind,
+        reserved,
+        loss,
+        stats,
+        flops,
+        rate,
+        flops / median / (rate * 1e12) if flops else None,
     )
 
 
@@ -247,8 +268,10 @@ def run_ab(modes: list[str], settings: BenchSettings, progress: Callable[[str], 
         parse_mode(mode)  # refuse a bad mode before spending minutes on the good ones
     results = []
     for i, mode in enumerate(modes, 1):
-        progress(f"[{i}/{len(modes)}] {mode}: building {settings.model}, compiling, timing "
-                 f"{settings.warmup} + {settings.steps} steps on {settings.device} ...")
+        progress(
+            f"[{i}/{len(modes)}] {mode}: building {settings.model}, compiling, timing "
+            f"{settings.warmup} + {settings.steps} steps on {settings.device} ..."
+        )
         start = time.perf_counter()
         cmd = [sys.executable, "-m", "compile_accel.benchmarks.runner", "--mode", mode, *settings.flags()]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
@@ -256,9 +279,16 @@ def run_ab(modes: list[str], settings: BenchSettings, progress: Callable[[str], 
             raise RuntimeError(f"mode {mode} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
         result = json.loads(proc.stdout.strip().splitlines()[-1])
         results.append(result)
-        progress(f"[{i}/{len(modes)}] {mode}: {result['step_s_median'] * 1e3:.1f} ms/step "
-                 f"(first step {result['first_step_s']:.1f} s; {time.perf_counter() - start:.0f} s in all)")
-    return {"environment": environment(), "command": " ".join(sys.argv), "settings": asdict(settings), "results": results}
+        progress(
+            f"[{i}/{len(modes)}] {mode}: {result['step_s_median'] * 1e3:.1f} ms/step "
+            f"(first step {result['first_step_s']:.1f} s; {time.perf_counter() - start:.0f} s in all)"
+        )
+    return {
+        "environment": environment(),
+        "command": " ".join(sys.argv),
+        "settings": asdict(settings),
+        "results": results,
+    }
 
 
 def _format_bytes(n: int | None) -> str:
@@ -294,8 +324,9 @@ def main(argv: list[str] | None = None) -> None:
     add_settings_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # auto budget's table, to stderr
-    settings = BenchSettings(args.model, args.device, args.steps, args.warmup, args.lora_rank, args.batch, args.res,
-                             args.vram_limit_gib)
+    settings = BenchSettings(
+        args.model, args.device, args.steps, args.warmup, args.lora_rank, args.batch, args.res, args.vram_limit_gib
+    )
     result = run_mode(parse_mode(args.mode), settings)
     print(json.dumps(asdict(result)), flush=True)
 

@@ -191,8 +191,12 @@ class TinyDiT(nn.Module):
         self.img_in = nn.Linear(c.in_channels * c.patch**2, c.dim)
         self.txt_in = nn.Linear(c.text_dim, c.dim)
         self.time_in = nn.Sequential(nn.Linear(256, c.dim), nn.SiLU(), nn.Linear(c.dim, c.dim))
-        self.double_blocks = nn.ModuleList(DoubleStreamBlock(c.dim, c.heads, c.mlp_ratio, c.rope) for _ in range(c.double_blocks))
-        self.single_blocks = nn.ModuleList(SingleStreamBlock(c.dim, c.heads, c.mlp_ratio, c.rope) for _ in range(c.single_blocks))
+        self.double_blocks = nn.ModuleList(
+            DoubleStreamBlock(c.dim, c.heads, c.mlp_ratio, c.rope) for _ in range(c.double_blocks)
+        )
+        self.single_blocks = nn.ModuleList(
+            SingleStreamBlock(c.dim, c.heads, c.mlp_ratio, c.rope) for _ in range(c.single_blocks)
+        )
         self.final_mod = Modulation(c.dim, 1)
         self.final_norm = RMSNorm(c.dim)
         self.final = nn.Linear(c.dim, c.in_channels * c.patch**2)
@@ -202,7 +206,9 @@ class TinyDiT(nn.Module):
             block.gradient_checkpointing = True
             block.checkpoint_reentrant = use_reentrant
 
-    def forward(self, latents: torch.Tensor, t: torch.Tensor, txt: torch.Tensor, txt_mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, latents: torch.Tensor, t: torch.Tensor, txt: torch.Tensor, txt_mask: torch.Tensor
+    ) -> torch.Tensor:
         c = self.config
         b, ch, h, w = latents.shape
         gh, gw = h // c.patch, w // c.patch
@@ -217,7 +223,10 @@ class TinyDiT(nn.Module):
         rows, cols = torch.meshgrid(torch.arange(gh), torch.arange(gw), indexing="ij")
         positions = torch.cat(
             [
-                torch.stack([torch.arange(n_txt), torch.zeros(n_txt, dtype=torch.long), torch.zeros(n_txt, dtype=torch.long)], -1),
+                torch.stack(
+                    [torch.arange(n_txt), torch.zeros(n_txt, dtype=torch.long), torch.zeros(n_txt, dtype=torch.long)],
+                    -1,
+                ),
                 torch.stack([torch.full((gh * gw,), n_txt), rows.flatten(), cols.flatten()], -1),
             ]
         ).to(latents.device)
@@ -247,5 +256,5 @@ def make_inputs(
     t = torch.rand(batch, device=device)
     txt = torch.randn(batch, text_len, config.text_dim, device=device, dtype=dtype)
     mask = torch.ones(batch, text_len, dtype=torch.bool, device=device)
-    mask[:, text_len - max(1, text_len // 4):] = False
+    mask[:, text_len - max(1, text_len // 4) :] = False
     return latents, t, txt, mask

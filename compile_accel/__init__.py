@@ -1,9 +1,9 @@
 """compile_accel: torch.compile for diffusion-transformer LoRA training.
 
-    import compile_accel
-    acc = compile_accel.apply(model, compile_accel.CompileConfig(mode="blocks", activation_memory_budget=0.5))
-    ...train...
-    print(acc.stats()); acc.restore()
+import compile_accel
+acc = compile_accel.apply(model, compile_accel.CompileConfig(mode="blocks", activation_memory_budget=0.5))
+...train...
+print(acc.stats()); acc.restore()
 """
 
 from .api import Acceleration, apply

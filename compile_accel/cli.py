@@ -46,14 +46,22 @@ def doctor(args: argparse.Namespace) -> int:
     cxx_path = shutil.which(cxx) or shutil.which("c++") or shutil.which("cl")
     print(f"C++ compiler     {cxx_path or 'not found'}")
     if cxx_path is None:
-        problems.append("no C++ compiler: inductor needs one for CPU code and its wrappers (gcc/g++, or MSVC on Windows)")
+        problems.append(
+            "no C++ compiler: inductor needs one for CPU code and its wrappers (gcc/g++, or MSVC on Windows)"
+        )
     if torch.cuda.is_available():
         print(f"GPU              {torch.cuda.get_device_name()} (CUDA {torch.version.cuda})")
     else:
         print("GPU              none (CPU only)")
-    print(f"budget knob      {'yes' if ds.HAS_BUDGET_KNOB else 'no'} (torch._functorch.config.activation_memory_budget)")
-    print(f"per-thread config {'yes' if ds.PER_THREAD_DYNAMO_CONFIG else 'no'} (dynamo config is per thread since 2.12)")
-    print(f"recompile_limit= {'yes' if ds.COMPILE_TAKES_RECOMPILE_LIMIT else 'no'} (torch.compile(recompile_limit=...))")
+    print(
+        f"budget knob      {'yes' if ds.HAS_BUDGET_KNOB else 'no'} (torch._functorch.config.activation_memory_budget)"
+    )
+    print(
+        f"per-thread config {'yes' if ds.PER_THREAD_DYNAMO_CONFIG else 'no'} (dynamo config is per thread since 2.12)"
+    )
+    print(
+        f"recompile_limit= {'yes' if ds.COMPILE_TAKES_RECOMPILE_LIMIT else 'no'} (torch.compile(recompile_limit=...))"
+    )
     print(f"cache artifacts  {'yes' if ds.HAS_CACHE_ARTIFACTS else 'no'} (torch.compiler.save_cache_artifacts)")
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
@@ -64,7 +72,9 @@ def doctor(args: argparse.Namespace) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         start = time.perf_counter()
         error = _check_compile(device)
-        print(f"inductor check   {'ok' if error is None else 'FAILED'} on {device} ({time.perf_counter() - start:.1f} s)")
+        print(
+            f"inductor check   {'ok' if error is None else 'FAILED'} on {device} ({time.perf_counter() - start:.1f} s)"
+        )
         if error:
             problems.append(f"inductor could not compile a small function on {device}: {error}")
     for problem in problems:
@@ -86,12 +96,15 @@ def bench(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"compile-accel bench: {error}", file=sys.stderr)
         return 2
-    settings = runner.BenchSettings(args.model, device, args.steps, args.warmup, args.lora_rank, args.batch, args.res,
-                                    args.vram_limit_gib)
+    settings = runner.BenchSettings(
+        args.model, device, args.steps, args.warmup, args.lora_rank, args.batch, args.res, args.vram_limit_gib
+    )
     report = runner.run_ab(modes, settings, progress=lambda line: print(line, file=sys.stderr, flush=True))
     env, first = report["environment"], report["results"][0]
-    print(f"\n{first['description']}; {device} ({env['device_name']}), torch {env['torch']}; "
-          f"median of {args.steps} steps after the first step and {args.warmup} warm-up steps\n")
+    print(
+        f"\n{first['description']}; {device} ({env['device_name']}), torch {env['torch']}; "
+        f"median of {args.steps} steps after the first step and {args.warmup} warm-up steps\n"
+    )
     print(runner.markdown_table(report))
     if args.out:
         out = Path(args.out)
@@ -99,18 +112,25 @@ def bench(args: argparse.Namespace) -> int:
         (out / "bench.json").write_text(json.dumps(report, indent=2))
         (out / "bench.md").write_text(runner.markdown_table(report) + "\n")
         plotted = plot.plot(report, out / "bench.png")
-        print(f"\nwrote {out / 'bench.json'}, {out / 'bench.md'}"
-              + (f" and {out / 'bench.png'}" if plotted else " (no plot: matplotlib is not installed)"))
+        print(
+            f"\nwrote {out / 'bench.json'}, {out / 'bench.md'}"
+            + (f" and {out / 'bench.png'}" if plotted else " (no plot: matplotlib is not installed)")
+        )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="compile-accel", description="torch.compile for diffusion-transformer LoRA training")
+    parser = argparse.ArgumentParser(
+        prog="compile-accel", description="torch.compile for diffusion-transformer LoRA training"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="check this setup: torch, triton, compiler, GPU, supported features")
     b = sub.add_parser("bench", help="A/B compile settings on an embedded small DiT with LoRA")
-    b.add_argument("--modes", help="comma-separated from: eager, eager+ckpt, whole+ckpt, selective+ckpt, blocks+ckpt, "
-                                   "blocks+budget=B (default: eager+ckpt,selective+ckpt,blocks+budget=0.5,blocks+budget=1.0)")
+    b.add_argument(
+        "--modes",
+        help="comma-separated from: eager, eager+ckpt, whole+ckpt, selective+ckpt, blocks+ckpt, "
+        "blocks+budget=B (default: eager+ckpt,selective+ckpt,blocks+budget=0.5,blocks+budget=1.0)",
+    )
     b.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if present, else cpu")
     b.add_argument("--out", help="directory for bench.json and bench.md")
     from .benchmarks.runner import add_settings_arguments

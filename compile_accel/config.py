@@ -56,16 +56,16 @@ class CompileConfig:
         budget = self.activation_memory_budget
         if budget == "auto":
             if self.mode != "blocks":
-                raise ValueError(f"CompileConfig.activation_memory_budget='auto' applies to mode='blocks' only (got mode={self.mode!r})")
+                raise ValueError(
+                    f"CompileConfig.activation_memory_budget='auto' applies to mode='blocks' only (got mode={self.mode!r})"
+                )
         elif budget is not None:
             if isinstance(budget, bool) or not isinstance(budget, (int, float)) or math.isnan(budget):
                 raise ValueError(
                     f"CompileConfig.activation_memory_budget must be a number in [0.0, 1.0], 'auto' or None, got {budget!r}"
                 )
             if not 0.0 <= budget <= 1.0:
-                raise ValueError(
-                    f"CompileConfig.activation_memory_budget must be in [0.0, 1.0], got {budget!r}"
-                )
+                raise ValueError(f"CompileConfig.activation_memory_budget must be in [0.0, 1.0], got {budget!r}")
             if self.mode != "blocks":
                 raise ValueError(
                     "CompileConfig.activation_memory_budget applies to mode='blocks' only "
@@ -87,10 +87,16 @@ class CompileConfig:
                     f"CompileConfig.compile_mode applies to backend='inductor' only, got backend={self.backend!r}"
                 )
             if self.compile_mode not in INDUCTOR_MODES:
-                raise ValueError(f"CompileConfig.compile_mode must be one of {INDUCTOR_MODES}, got {self.compile_mode!r}")
+                raise ValueError(
+                    f"CompileConfig.compile_mode must be one of {INDUCTOR_MODES}, got {self.compile_mode!r}"
+                )
         if not isinstance(self.fullgraph, bool):
             raise ValueError(f"CompileConfig.fullgraph must be True or False, got {self.fullgraph!r}")
-        if isinstance(self.recompile_limit, bool) or not isinstance(self.recompile_limit, int) or self.recompile_limit < 1:
+        if (
+            isinstance(self.recompile_limit, bool)
+            or not isinstance(self.recompile_limit, int)
+            or self.recompile_limit < 1
+        ):
             raise ValueError(f"CompileConfig.recompile_limit must be an int >= 1, got {self.recompile_limit!r}")
         if isinstance(self.exclude, str) or not all(isinstance(p, str) for p in self.exclude):
             raise ValueError(f"CompileConfig.exclude must be a list of glob patterns, got {self.exclude!r}")

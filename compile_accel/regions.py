@@ -14,7 +14,6 @@ not be compiled.
 from __future__ import annotations
 
 import inspect
-import threading
 import time
 from typing import Any, Callable
 
@@ -25,6 +24,7 @@ from .budget import RegionBackend
 from .config import CompileConfig
 from .dynamo_settings import COMPILE_TAKES_RECOMPILE_LIMIT, ensure_thread_settings
 from .stats import RECOMPILE_LIMIT_WATCHER, Stats, graph_break_total, warn
+
 
 def _split_method(forward: Callable) -> tuple[Callable, Any]:
     """(function, self) of a bound method; (callable, None) for anything else."""
@@ -56,7 +56,11 @@ class CompiledFunction:
         back to a budget reuses the graphs compiled for it."""
         if budget not in self._by_budget:
             backend = RegionBackend(self.config, budget, stats)
-            kwargs: dict[str, Any] = {"backend": backend, "fullgraph": self.config.fullgraph, "dynamic": self.config.dynamic}
+            kwargs: dict[str, Any] = {
+                "backend": backend,
+                "fullgraph": self.config.fullgraph,
+                "dynamic": self.config.dynamic,
+            }
             if COMPILE_TAKES_RECOMPILE_LIMIT:
                 kwargs["recompile_limit"] = self.recompile_limit
             self._by_budget[budget] = (backend, torch.compile(self.fn, **kwargs))

@@ -55,7 +55,9 @@ class _ModuleFunctionPatch:
 
 
 def _real_or_complex_rotary(original: Callable) -> Callable:
-    def apply_rotary_emb(x: torch.Tensor, freqs_cis: Any, use_real: bool = True, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def apply_rotary_emb(
+        x: torch.Tensor, freqs_cis: Any, use_real: bool = True, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
         # Lumina 2 passes complex factors with use_real=False; the adapter hands it their real view.
         if not use_real and isinstance(freqs_cis, torch.Tensor) and not freqs_cis.is_complex():
             return rotate_interleaved(x, freqs_cis, head_dim=2)  # x is (batch, tokens, heads, head_dim)

@@ -47,7 +47,9 @@ def build(lora: str = "kohya", checkpointing: str | None = None, **config) -> tu
     elif lora == "peft":
         from peft import LoraConfig, inject_adapter_in_model
 
-        inject_adapter_in_model(LoraConfig(r=4, lora_alpha=4, target_modules=PEFT_TARGETS, init_lora_weights=False), model)
+        inject_adapter_in_model(
+            LoraConfig(r=4, lora_alpha=4, target_modules=PEFT_TARGETS, init_lora_weights=False), model
+        )
         params = [p for p in model.parameters() if p.requires_grad]
     else:
         raise ValueError(lora)

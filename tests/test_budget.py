@@ -16,7 +16,9 @@ from compile_accel.memory import SavedActivationMeter
 
 
 def _saved_bytes(model: nn.Module, res: int) -> int:
-    params = [p for p in model.parameters()] + [p for net in getattr(model, "_test_network", []) for p in net.parameters()]
+    params = [p for p in model.parameters()] + [
+        p for net in getattr(model, "_test_network", []) for p in net.parameters()
+    ]
     inputs = inputs_for(model, res=res, text_len=16)
     with SavedActivationMeter(params) as meter:
         loss = model(*inputs).square().mean()
@@ -48,7 +50,10 @@ def test_budget_turns_model_checkpointing_off_and_restore_turns_it_back_on() -> 
     blocks = [*model.double_blocks, *model.single_blocks]
     assert not any(b.gradient_checkpointing for b in blocks)
     assert acceleration.stats()["checkpointing_switched_off"] == [
-        "double_blocks.0", "double_blocks.1", "single_blocks.0", "single_blocks.1"
+        "double_blocks.0",
+        "double_blocks.1",
+        "single_blocks.0",
+        "single_blocks.1",
     ]
     model(*inputs_for(model)).square().mean().backward()
     assert acceleration.stats()["still_checkpointed"] == []
@@ -97,7 +102,10 @@ class _Stack(nn.Module):
 
 @pytest.mark.parametrize(
     "model, where",
-    [(lambda: _Stack(_AlwaysCheckpointed), "inside"), (lambda: _Stack(_PlainBlock, checkpoint_outside=True), "outside")],
+    [
+        (lambda: _Stack(_AlwaysCheckpointed), "inside"),
+        (lambda: _Stack(_PlainBlock, checkpoint_outside=True), "outside"),
+    ],
     ids=["checkpoint-inside-block", "checkpoint-around-block"],
 )
 def test_block_still_under_a_checkpoint_is_named(model, where: str) -> None:

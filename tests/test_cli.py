@@ -23,7 +23,9 @@ def test_doctor_reports_a_usable_setup() -> None:
 
 
 def test_bench_runs_each_mode_and_writes_json(tmp_path) -> None:
-    proc = _cli("bench", "--modes", "eager+ckpt,blocks+budget=1.0", "--steps", "2", "--warmup", "1", "--out", str(tmp_path))
+    proc = _cli(
+        "bench", "--modes", "eager+ckpt,blocks+budget=1.0", "--steps", "2", "--warmup", "1", "--out", str(tmp_path)
+    )
     assert proc.returncode == 0, proc.stderr
     assert "[1/2] eager+ckpt" in proc.stderr and "[2/2] blocks+budget=1.0" in proc.stderr  # progress
     report = json.loads((tmp_path / "bench.json").read_text())
@@ -43,11 +45,14 @@ def test_bench_refuses_an_unknown_mode_before_running() -> None:
     assert "unknown mode 'turbo'" in proc.stderr
 
 
-@pytest.mark.parametrize("spec, mode, budget, ckpt", [
-    ("eager+ckpt", "off", None, True),
-    ("selective+ckpt", "selective", None, True),
-    ("blocks+budget=0.25", "blocks", 0.25, False),
-])
+@pytest.mark.parametrize(
+    "spec, mode, budget, ckpt",
+    [
+        ("eager+ckpt", "off", None, True),
+        ("selective+ckpt", "selective", None, True),
+        ("blocks+budget=0.25", "blocks", 0.25, False),
+    ],
+)
 def test_parse_mode(spec: str, mode: str, budget: float | None, ckpt: bool) -> None:
     parsed = parse_mode(spec)
     assert (parsed.config.mode, parsed.config.activation_memory_budget, parsed.checkpointing) == (mode, budget, ckpt)

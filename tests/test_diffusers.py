@@ -31,8 +31,16 @@ def test_real_rotary_matches_complex() -> None:
 
 def _lumina2(layers: int = 2) -> tuple[Lumina2Transformer2DModel, list[torch.nn.Parameter], tuple]:
     model = Lumina2Transformer2DModel(
-        sample_size=16, in_channels=4, hidden_size=64, num_layers=layers, num_refiner_layers=2,
-        num_attention_heads=4, num_kv_heads=2, multiple_of=16, cap_feat_dim=32, axes_dim_rope=(8, 4, 4),
+        sample_size=16,
+        in_channels=4,
+        hidden_size=64,
+        num_layers=layers,
+        num_refiner_layers=2,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        multiple_of=16,
+        cap_feat_dim=32,
+        axes_dim_rope=(8, 4, 4),
         axes_lens=(64, 32, 32),
     )
     model.requires_grad_(False)
@@ -53,10 +61,14 @@ def _step(model, params, inputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
     return loss.detach(), grads
 
 
-@pytest.mark.parametrize("config", [
-    CompileConfig(mode="blocks", activation_memory_budget=0.5),
-    CompileConfig(mode="selective"),
-], ids=["blocks-budget-0.5", "selective"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        CompileConfig(mode="blocks", activation_memory_budget=0.5),
+        CompileConfig(mode="selective"),
+    ],
+    ids=["blocks-budget-0.5", "selective"],
+)
 def test_lumina2_lora_gradients_match_eager_with_one_graph_per_block_kind(config: CompileConfig) -> None:
     model, params, inputs = _lumina2()
     model.enable_gradient_checkpointing()
@@ -102,18 +114,30 @@ def test_bad_config_leaves_lumina2_untouched() -> None:
 
 def test_flux_lora_gradients_match_eager() -> None:
     model = FluxTransformer2DModel(
-        in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=(4, 6, 6),
+        in_channels=16,
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=16,
+        axes_dims_rope=(4, 6, 6),
     )
     model.requires_grad_(False)
     model.add_adapter(LORA)
     model.train()
     model.enable_gradient_checkpointing()
     params = [p for p in model.parameters() if p.requires_grad]
-    img_ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(6.0), torch.arange(6.0), indexing="ij"), -1).reshape(-1, 3)
+    img_ids = torch.stack(
+        torch.meshgrid(torch.zeros(1), torch.arange(6.0), torch.arange(6.0), indexing="ij"), -1
+    ).reshape(-1, 3)
     inputs = dict(
-        hidden_states=torch.randn(2, 36, 16), encoder_hidden_states=torch.randn(2, 8, 32),
-        pooled_projections=torch.randn(2, 16), timestep=torch.rand(2), img_ids=img_ids, txt_ids=torch.zeros(8, 3),
+        hidden_states=torch.randn(2, 36, 16),
+        encoder_hidden_states=torch.randn(2, 8, 32),
+        pooled_projections=torch.randn(2, 16),
+        timestep=torch.rand(2),
+        img_ids=img_ids,
+        txt_ids=torch.zeros(8, 3),
         return_dict=False,
     )
 

@@ -27,7 +27,12 @@ def test_complex_rope_region_falls_back_with_one_warning() -> None:
     ours = [w for w in caught if "compile_accel" in str(w.message)]
     assert len(ours) == 1 and "complex" in str(ours[0].message) and "double_blocks.0" in str(ours[0].message)
     stats = acceleration.stats()
-    assert {f["region"] for f in stats["fallbacks"]} == {"double_blocks.0", "double_blocks.1", "single_blocks.0", "single_blocks.1"}
+    assert {f["region"] for f in stats["fallbacks"]} == {
+        "double_blocks.0",
+        "double_blocks.1",
+        "single_blocks.0",
+        "single_blocks.1",
+    }
     assert all("complex" in f["reason"] for f in stats["fallbacks"])
     assert stats["compiled_regions"] == 0
     assert relative_error(loss, expected_loss) < 1e-6
