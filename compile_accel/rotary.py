@@ -17,15 +17,15 @@ def real_table(freqs_cis: torch.Tensor, dtype: torch.dtype = torch.float32) -> t
     return torch.view_as_real(freqs_cis).to(dtype)
 
 
-def rotate_interleaved(x: torch.Tensor, table: torch.Tensor, head_dim: int) -> torch.Tensor:
+def rotate_interleaved(x: torch.Tensor, table: torch.Tensor, head_axis: int) -> torch.Tensor:
     """Rotate interleaved pairs of `x`'s last dim by `table` (from `real_table`).
 
-    `table` lacks `x`'s head axis; `head_dim` is where that axis sits in `x` (counted from the
-    front, as in x.shape), and a size-1 axis is inserted there. Computed in float32, returned
-    in x's dtype, like the complex formulation.
+    `table` lacks `x`'s head axis: a size-1 axis is inserted into the table at `head_axis`
+    (where the complex formulation unsqueezes its factors), and it broadcasts from the right.
+    Computed in float32, returned in x's dtype, like the complex formulation.
     """
     pairs = x.float().reshape(*x.shape[:-1], -1, 2)
-    table = table.unsqueeze(head_dim)
+    table = table.unsqueeze(head_axis)
     a, b = pairs[..., 0], pairs[..., 1]
     cos, sin = table[..., 0], table[..., 1]
     return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).type_as(x)

@@ -1,5 +1,9 @@
 """diffusers transformers: which block lists to compile, and what to rewrite so they compile whole.
 
+Lumina 2 and Qwen-Image multiply q and k by complex rotary factors inside every block, which
+inductor cannot generate code for; their adapters hand the blocks the factors' real view and
+rotate in real arithmetic instead (checked against the complex form in the tests).
+
     from compile_accel.integrations import diffusers as accel_diffusers
     acceleration = accel_diffusers.apply(transformer, CompileConfig(mode="blocks", activation_memory_budget=0.5))
 
@@ -18,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.utils._pytree as pytree
 
 import compile_accel
 from compile_accel import Acceleration, CompileConfig
@@ -54,46 +59,66 @@ class _ModuleFunctionPatch:
             setattr(sys.modules[self.module_name], self.name, self.original)
 
 
-def _real_or_complex_rotary(original: Callable) -> Callable:
-    def apply_rotary_emb(
-        x: torch.Tensor, freqs_cis: Any, use_real: bool = True, *args: Any, **kwargs: Any
-    ) -> torch.Tensor:
-        # Lumina 2 passes complex factors with use_real=False; the adapter hands it their real view.
-        if not use_real and isinstance(freqs_cis, torch.Tensor) and not freqs_cis.is_complex():
-            return rotate_interleaved(x, freqs_cis, head_dim=2)  # x is (batch, tokens, heads, head_dim)
-        return original(x, freqs_cis, use_real, *args, **kwargs)
+def _real_or_complex_rotary(head_axis: int) -> Callable[[Callable], Callable]:
+    """A stand-in for a model's rotary function: a real table (from the wrapped embedder) is
+    rotated in real arithmetic, anything else goes to the original."""
 
-    return apply_rotary_emb
+    def make(original: Callable) -> Callable:
+        def rotary(x: torch.Tensor, freqs_cis: Any, use_real: bool = True, *args: Any, **kwargs: Any) -> torch.Tensor:
+            if not use_real and isinstance(freqs_cis, torch.Tensor) and not freqs_cis.is_complex():
+                return rotate_interleaved(x, freqs_cis, head_axis)
+            return original(x, freqs_cis, use_real, *args, **kwargs)
+
+        return rotary
+
+    return make
 
 
+def _complex_to_real(value: Any) -> Any:
+    return real_table(value) if isinstance(value, torch.Tensor) and value.is_complex() else value
+
+
+def _real_rope(embedder_name: str, rotary: _ModuleFunctionPatch) -> Callable[[nn.Module], Undo]:
+    """Adapter step for models that multiply q and k by complex factors inside every block:
+    the model's rotary embedder hands the blocks the factors' real view instead, and the
+    model's rotary function rotates in real arithmetic (compile_accel.rotary)."""
+
+    def prepare(model: nn.Module) -> Undo:
+        embedder = model.get_submodule(embedder_name)
+        original = embedder.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return pytree.tree_map(_complex_to_real, original(*args, **kwargs))
+
+        embedder.forward = forward
+        rotary.install()
+
+        def undo() -> None:
+            restore_forward(embedder, original)
+            rotary.uninstall()
+
+        return undo
+
+    return prepare
+
+
+# Lumina 2 rotates (batch, tokens, heads, head_dim) with factors (batch, tokens, pairs);
+# Qwen-Image rotates (batch, tokens, heads, head_dim) with factors (tokens, pairs).
 _LUMINA2_ROTARY = _ModuleFunctionPatch(
-    "diffusers.models.transformers.transformer_lumina2", "apply_rotary_emb", _real_or_complex_rotary
+    "diffusers.models.transformers.transformer_lumina2", "apply_rotary_emb", _real_or_complex_rotary(head_axis=2)
+)
+_QWEN_ROTARY = _ModuleFunctionPatch(
+    "diffusers.models.transformers.transformer_qwenimage", "apply_rotary_emb_qwen", _real_or_complex_rotary(head_axis=1)
 )
 
-
-def _lumina2_real_rope(model: nn.Module) -> Undo:
-    """Lumina 2 multiplies q and k by complex factors inside every block: hand the blocks the
-    factors' real view instead, and rotate in real arithmetic (compile_accel.rotary)."""
-    embedder = model.rope_embedder
-    original = embedder.forward
-
-    def forward(hidden_states: torch.Tensor, attention_mask: torch.Tensor) -> tuple:
-        hidden, cap_freqs, img_freqs, freqs, cap_lengths, seq_lengths = original(hidden_states, attention_mask)
-        return hidden, real_table(cap_freqs), real_table(img_freqs), real_table(freqs), cap_lengths, seq_lengths
-
-    embedder.forward = forward
-    _LUMINA2_ROTARY.install()
-
-    def undo() -> None:
-        restore_forward(embedder, original)
-        _LUMINA2_ROTARY.uninstall()
-
-    return undo
-
-
 ADAPTERS: dict[str, Adapter] = {
-    "Lumina2Transformer2DModel": Adapter(("context_refiner", "noise_refiner", "layers"), _lumina2_real_rope),
+    "Lumina2Transformer2DModel": Adapter(
+        ("context_refiner", "noise_refiner", "layers"), _real_rope("rope_embedder", _LUMINA2_ROTARY)
+    ),
+    "QwenImageTransformer2DModel": Adapter(("transformer_blocks",), _real_rope("pos_embed", _QWEN_ROTARY)),
     "FluxTransformer2DModel": Adapter(("transformer_blocks", "single_transformer_blocks")),
+    "SD3Transformer2DModel": Adapter(("transformer_blocks",)),
+    "WanTransformer3DModel": Adapter(("blocks",)),
 }
 
 
