@@ -56,6 +56,22 @@ def tiny(device: str, lora_rank: int, batch: int | None, res: int | None) -> Ben
     )
 
 
+ATTENTION_PROJECTIONS = ["to_q", "to_k", "to_v", "to_out.0"]
+JOINT_ATTENTION_PROJECTIONS = [*ATTENTION_PROJECTIONS, "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+
+
+def _peft_lora(model: nn.Module, targets: list[str], rank: int) -> list[nn.Parameter]:
+    """Freeze the model, add a peft LoRA with fp32 weights (as trainers keep them); its parameters."""
+    from peft import LoraConfig
+
+    model.requires_grad_(False)
+    model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=targets))
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.data = p.data.float()
+    return params
+
+
 def lumina2(device: str, lora_rank: int, batch: int | None, res: int | None) -> BenchModel:
     """diffusers' Lumina2Transformer2DModel at full size (26 layers, hidden 2304), random bf16
     weights, peft LoRA on to_q/to_k/to_v/to_out.0 (fp32), 256 caption tokens."""
@@ -94,7 +110,6 @@ def flux(device: str, lora_rank: int, batch: int | None, res: int | None) -> Ben
     """diffusers' FluxTransformer2DModel at its default (Flux-dev, ~12B) size with guidance
     embedding, random bf16 weights, peft LoRA on the attention projections (fp32), 512 text tokens."""
     from diffusers import FluxTransformer2DModel
-    from peft import LoraConfig
 
     from compile_accel.integrations import diffusers as accel_diffusers
 
@@ -104,12 +119,7 @@ def flux(device: str, lora_rank: int, batch: int | None, res: int | None) -> Ben
     torch.backends.cuda.enable_cudnn_sdp(False)
     with torch.device(device):
         model = FluxTransformer2DModel(guidance_embeds=True).to(torch.bfloat16)
-    model.requires_grad_(False)
-    targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
-    model.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_rank, target_modules=targets))
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        p.data = p.data.float()
+    params = _peft_lora(model, JOINT_ATTENTION_PROJECTIONS, lora_rank)
     side = res // 16  # 8x VAE, then 2x2 patches packed into 64 channels
     rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
     img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3).float().to(device)
@@ -135,8 +145,48 @@ def flux(device: str, lora_rank: int, batch: int | None, res: int | None) -> Ben
     )
 
 
+def sd3(device: str, lora_rank: int, batch: int | None, res: int | None) -> BenchModel:
+    """diffusers' SD3Transformer2DModel at SD3-medium size (24 joint blocks, hidden 1536), random
+    bf16 weights, peft LoRA on the attention projections of both streams (fp32), 333 text tokens
+    (77 CLIP + 256 T5)."""
+    from diffusers import SD3Transformer2DModel
+
+    from compile_accel.integrations import diffusers as accel_diffusers
+
+    batch, res = batch or 2, res or 1024
+    with torch.device(device):
+        model = SD3Transformer2DModel(
+            num_layers=24,
+            num_attention_heads=24,
+            attention_head_dim=64,
+            caption_projection_dim=1536,
+            joint_attention_dim=4096,
+            pooled_projection_dim=2048,
+            pos_embed_max_size=192,
+        ).to(torch.bfloat16)
+    params = _peft_lora(model, JOINT_ATTENTION_PROJECTIONS, lora_rank)
+    x = torch.randn(batch, 16, res // 8, res // 8, device=device, dtype=torch.bfloat16)
+    inputs = dict(
+        hidden_states=x,
+        encoder_hidden_states=torch.randn(batch, 333, 4096, device=device, dtype=torch.bfloat16),
+        pooled_projections=torch.randn(batch, 2048, device=device, dtype=torch.bfloat16),
+        timestep=torch.rand(batch, device=device) * 1000,
+        return_dict=False,
+    )
+    return BenchModel(
+        f"diffusers SD3Transformer2DModel (SD3-medium size), batch {batch}, {res}x{res}, peft LoRA r{lora_rank}",
+        model,
+        params,
+        lambda: model(**inputs)[0],
+        torch.randn_like(x),
+        model.enable_gradient_checkpointing,
+        accel_diffusers.apply,
+    )
+
+
 MODELS: dict[str, Callable[[str, int, int | None, int | None], BenchModel]] = {
     "tiny": tiny,
     "lumina2": lumina2,
     "flux": flux,
+    "sd3": sd3,
 }
