@@ -72,46 +72,44 @@ def _peft_lora(model: nn.Module, targets: list[str], rank: int) -> list[nn.Param
     return params
 
 
+def _diffusers_bench(description: str, model: nn.Module, params: list[nn.Parameter], inputs: dict) -> BenchModel:
+    """A diffusers transformer called with keyword inputs, accelerated through its adapter."""
+    from compile_accel.integrations import diffusers as accel_diffusers
+
+    return BenchModel(
+        description,
+        model,
+        params,
+        lambda: model(**inputs, return_dict=False)[0],
+        torch.randn_like(inputs["hidden_states"]),
+        model.enable_gradient_checkpointing,
+        accel_diffusers.apply,
+    )
+
+
 def lumina2(device: str, lora_rank: int, batch: int | None, res: int | None) -> BenchModel:
     """diffusers' Lumina2Transformer2DModel at full size (26 layers, hidden 2304), random bf16
     weights, peft LoRA on to_q/to_k/to_v/to_out.0 (fp32), 256 caption tokens."""
     from diffusers import Lumina2Transformer2DModel
-    from peft import LoraConfig
-
-    from compile_accel.integrations import diffusers as accel_diffusers
 
     batch, res = batch or 2, res or 1024
     with torch.device(device):
         model = Lumina2Transformer2DModel(num_layers=26, cap_feat_dim=2304).to(torch.bfloat16)
-    model.requires_grad_(False)
-    model.add_adapter(
-        LoraConfig(r=lora_rank, lora_alpha=lora_rank, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
+    params = _peft_lora(model, ATTENTION_PROJECTIONS, lora_rank)
+    inputs = dict(
+        hidden_states=torch.randn(batch, 16, res // 8, res // 8, device=device, dtype=torch.bfloat16),
+        timestep=torch.rand(batch, device=device),
+        encoder_hidden_states=torch.randn(batch, 256, 2304, device=device, dtype=torch.bfloat16),
+        encoder_attention_mask=torch.ones(batch, 256, device=device, dtype=torch.bool),
     )
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        p.data = p.data.float()
-    latent = res // 8
-    x = torch.randn(batch, 16, latent, latent, device=device, dtype=torch.bfloat16)
-    caption = torch.randn(batch, 256, 2304, device=device, dtype=torch.bfloat16)
-    mask = torch.ones(batch, 256, device=device, dtype=torch.bool)
-    t = torch.rand(batch, device=device)
-    return BenchModel(
-        f"diffusers Lumina2Transformer2DModel full size, batch {batch}, {res}x{res}, peft LoRA r{lora_rank}",
-        model,
-        params,
-        lambda: model(x, t, caption, mask, return_dict=False)[0],
-        torch.randn_like(x),
-        model.enable_gradient_checkpointing,
-        accel_diffusers.apply,
-    )
+    description = f"diffusers Lumina2Transformer2DModel full size, batch {batch}, {res}x{res}, peft LoRA r{lora_rank}"
+    return _diffusers_bench(description, model, params, inputs)
 
 
 def flux(device: str, lora_rank: int, batch: int | None, res: int | None) -> BenchModel:
     """diffusers' FluxTransformer2DModel at its default (Flux-dev, ~12B) size with guidance
     embedding, random bf16 weights, peft LoRA on the attention projections (fp32), 512 text tokens."""
     from diffusers import FluxTransformer2DModel
-
-    from compile_accel.integrations import diffusers as accel_diffusers
 
     batch, res = batch or 1, res or 1024
     # Seen on an H200 with torch 2.11+cu130: cuDNN attention fails on Flux's shapes
@@ -122,27 +120,19 @@ def flux(device: str, lora_rank: int, batch: int | None, res: int | None) -> Ben
     params = _peft_lora(model, JOINT_ATTENTION_PROJECTIONS, lora_rank)
     side = res // 16  # 8x VAE, then 2x2 patches packed into 64 channels
     rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
-    img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3).float().to(device)
-    x = torch.randn(batch, side * side, 64, device=device, dtype=torch.bfloat16)
     inputs = dict(
-        hidden_states=x,
+        hidden_states=torch.randn(batch, side * side, 64, device=device, dtype=torch.bfloat16),
         encoder_hidden_states=torch.randn(batch, 512, 4096, device=device, dtype=torch.bfloat16),
         pooled_projections=torch.randn(batch, 768, device=device, dtype=torch.bfloat16),
         timestep=torch.rand(batch, device=device),
         guidance=torch.full((batch,), 3.5, device=device),
-        img_ids=img_ids,
+        img_ids=torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3).float().to(device),
         txt_ids=torch.zeros(512, 3, device=device),
-        return_dict=False,
     )
-    return BenchModel(
-        f"diffusers FluxTransformer2DModel (Flux-dev size), batch {batch}, {res}x{res}, peft LoRA r{lora_rank}",
-        model,
-        params,
-        lambda: model(**inputs)[0],
-        torch.randn_like(x),
-        model.enable_gradient_checkpointing,
-        accel_diffusers.apply,
+    description = (
+        f"diffusers FluxTransformer2DModel (Flux-dev size), batch {batch}, {res}x{res}, peft LoRA r{lora_rank}"
     )
+    return _diffusers_bench(description, model, params, inputs)
 
 
 def sd3(device: str, lora_rank: int, batch: int | None, res: int | None) -> BenchModel:
@@ -150,8 +140,6 @@ def sd3(device: str, lora_rank: int, batch: int | None, res: int | None) -> Benc
     bf16 weights, peft LoRA on the attention projections of both streams (fp32), 333 text tokens
     (77 CLIP + 256 T5)."""
     from diffusers import SD3Transformer2DModel
-
-    from compile_accel.integrations import diffusers as accel_diffusers
 
     batch, res = batch or 2, res or 1024
     with torch.device(device):
@@ -165,23 +153,16 @@ def sd3(device: str, lora_rank: int, batch: int | None, res: int | None) -> Benc
             pos_embed_max_size=192,
         ).to(torch.bfloat16)
     params = _peft_lora(model, JOINT_ATTENTION_PROJECTIONS, lora_rank)
-    x = torch.randn(batch, 16, res // 8, res // 8, device=device, dtype=torch.bfloat16)
     inputs = dict(
-        hidden_states=x,
+        hidden_states=torch.randn(batch, 16, res // 8, res // 8, device=device, dtype=torch.bfloat16),
         encoder_hidden_states=torch.randn(batch, 333, 4096, device=device, dtype=torch.bfloat16),
         pooled_projections=torch.randn(batch, 2048, device=device, dtype=torch.bfloat16),
         timestep=torch.rand(batch, device=device) * 1000,
-        return_dict=False,
     )
-    return BenchModel(
-        f"diffusers SD3Transformer2DModel (SD3-medium size), batch {batch}, {res}x{res}, peft LoRA r{lora_rank}",
-        model,
-        params,
-        lambda: model(**inputs)[0],
-        torch.randn_like(x),
-        model.enable_gradient_checkpointing,
-        accel_diffusers.apply,
+    description = (
+        f"diffusers SD3Transformer2DModel (SD3-medium size), batch {batch}, {res}x{res}, peft LoRA r{lora_rank}"
     )
+    return _diffusers_bench(description, model, params, inputs)
 
 
 MODELS: dict[str, Callable[[str, int, int | None, int | None], BenchModel]] = {

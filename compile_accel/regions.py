@@ -123,21 +123,33 @@ def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
 
 
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 def _canonical_inputs(args: tuple, kwargs: dict, training: bool) -> tuple[tuple, dict]:
     """Tensor inputs in one layout, so every block of a list shares one graph.
 
-    Strided views (Flux's single blocks get slices of a concatenated tensor, except the
-    first) are made contiguous. In training, floating inputs are made to require grad: the
-    first block of a list is fed by frozen embedders (no grad), the others by blocks with
-    LoRA. A tensor that does not require grad has no autograd history, so its detached alias
-    loses nothing; the price is the first block's input gradient, computed and dropped.
+    Inputs whose strides are not the plain contiguous ones (Flux's single blocks get slices of
+    a concatenated tensor, except the first; a size-1 batch dim of a slice keeps the parent's
+    stride, which dynamo guards too) are copied to that layout. In training, floating inputs
+    are made to require grad: the first block of a list is fed by frozen embedders (no grad),
+    the others by blocks with LoRA. A tensor that does not require grad has no autograd
+    history, so its detached alias loses nothing; the price is the first block's input
+    gradient, computed and dropped.
     """
 
     def canonical(value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
-        if not (value.is_contiguous() or value.is_contiguous(memory_format=torch.channels_last)):
-            value = value.contiguous()
+        if value.stride() != _contiguous_strides(value.shape) and not value.is_contiguous(
+            memory_format=torch.channels_last
+        ):
+            value = value.clone(memory_format=torch.contiguous_format)
         if training and value.is_floating_point() and not value.requires_grad:
             value = value.detach().requires_grad_(True)
         return value
