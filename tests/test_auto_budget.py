@@ -39,16 +39,27 @@ PEAKS = {0.0: 1.0, 0.1: 1.5, 0.3: 2.0, 0.5: 2.5, 0.7: 3.0, 1.0: 4.0}
 SECONDS = {0.0: 0.9, 0.1: 0.8, 0.3: 0.7, 0.5: 0.6, 0.7: 0.5, 1.0: 0.4}
 
 
-def test_calibration_picks_the_fastest_fitting_budget_and_leaves_training_unchanged(tmp_path, monkeypatch) -> None:
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    """Each test starts with its own, empty auto-budget cache."""
     monkeypatch.setenv("COMPILE_ACCEL_CACHE_DIR", str(tmp_path))
+
+
+def _auto(model: torch.nn.Module, limit_gib: float, calls: list[float]) -> compile_accel.Acceleration:
+    """apply() with activation_memory_budget="auto", measured by the scripted PEAKS/SECONDS table."""
+    config = CompileConfig(mode="blocks", activation_memory_budget="auto", vram_limit_gib=limit_gib, backend=BACKEND)
+    acceleration = compile_accel.apply(model, config)
+    acceleration.auto_budget.measure = _scripted(PEAKS, SECONDS, calls)
+    return acceleration
+
+
+def test_calibration_picks_the_fastest_fitting_budget_and_leaves_training_unchanged() -> None:
     model, params = build("kohya", "non-reentrant")
     inputs = inputs_for(model)
     expected_loss, expected_grads = lora_step(model, params, inputs)
 
-    config = CompileConfig(mode="blocks", activation_memory_budget="auto", vram_limit_gib=2.6, backend=BACKEND)
-    acceleration = compile_accel.apply(model, config)
     calls: list[float] = []
-    acceleration.auto_budget.measure = _scripted(PEAKS, SECONDS, calls)
+    acceleration = _auto(model, 2.6, calls)
     assert acceleration.stats()["auto_budget"] is None
     rng = torch.get_rng_state()
     loss, grads = lora_step(model, params, inputs)
@@ -66,34 +77,25 @@ def test_calibration_picks_the_fastest_fitting_budget_and_leaves_training_unchan
     # The same training again: the cache answers, nothing is measured.
     torch._dynamo.reset()
     again, params = build("kohya", "non-reentrant")
-    acceleration = compile_accel.apply(again, config)
     calls.clear()
-    acceleration.auto_budget.measure = _scripted(PEAKS, SECONDS, calls)
+    acceleration = _auto(again, 2.6, calls)
     lora_step(again, params, inputs)
     assert calls == []
     assert acceleration.stats()["auto_budget"]["cached"] and acceleration.stats()["auto_budget"]["budget"] == 0.5
 
 
-def test_nothing_fits_warns_and_takes_the_lowest_peak(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("COMPILE_ACCEL_CACHE_DIR", str(tmp_path))
+def test_nothing_fits_warns_and_takes_the_lowest_peak() -> None:
     model, params = build("kohya", None)
-    acceleration = compile_accel.apply(
-        model, CompileConfig(mode="blocks", activation_memory_budget="auto", vram_limit_gib=0.5, backend=BACKEND)
-    )
-    acceleration.auto_budget.measure = _scripted(PEAKS, SECONDS, [])
+    acceleration = _auto(model, 0.5, [])
     with pytest.warns(RuntimeWarning, match="no activation memory budget fits"):
         lora_step(model, params, inputs_for(model))
     assert acceleration.stats()["auto_budget"]["budget"] == 0.0
 
 
-def test_calibration_waits_for_a_training_step(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("COMPILE_ACCEL_CACHE_DIR", str(tmp_path))
+def test_calibration_waits_for_a_training_step() -> None:
     model, _ = build("kohya", None)
-    acceleration = compile_accel.apply(
-        model, CompileConfig(mode="blocks", activation_memory_budget="auto", vram_limit_gib=1.0, backend=BACKEND)
-    )
     calls: list[float] = []
-    acceleration.auto_budget.measure = _scripted(PEAKS, SECONDS, calls)
+    acceleration = _auto(model, 1.0, calls)
     with torch.no_grad():
         model(*inputs_for(model))  # sampling / validation: no calibration
     assert calls == [] and acceleration.stats()["auto_budget"] is None
@@ -112,13 +114,9 @@ def test_auto_budget_config_errors() -> None:
             compile_accel.apply(model, CompileConfig(mode="blocks", activation_memory_budget="auto"))
 
 
-def test_chosen_budget_reuses_its_calibration_graphs(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("COMPILE_ACCEL_CACHE_DIR", str(tmp_path))
+def test_chosen_budget_reuses_its_calibration_graphs() -> None:
     model, params = build("kohya", None)
-    acceleration = compile_accel.apply(
-        model, CompileConfig(mode="blocks", activation_memory_budget="auto", vram_limit_gib=2.6, backend=BACKEND)
-    )
-    acceleration.auto_budget.measure = _scripted(PEAKS, SECONDS, [])
+    acceleration = _auto(model, 2.6, [])
     inputs = inputs_for(model)
     lora_step(model, params, inputs)
     after_calibration = acceleration.stats()
