@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
 
 from .blocks import BlockList
@@ -55,3 +56,10 @@ def turn_off(switches: list[CheckpointSwitch]) -> None:
             "activation memory budget replaces checkpointing: turned gradient_checkpointing off on %s",
             ", ".join(s.name for s in switches),
         )
+
+
+def under_saved_tensor_checkpoint() -> bool:
+    """True inside a non-reentrant torch.utils.checkpoint region (its saved-tensor hooks are on)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    pack = hooks[0] if hooks else None
+    return pack is not None and "checkpoint" in getattr(pack, "__module__", "")

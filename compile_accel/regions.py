@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from .budget import RegionBackend
+from .checkpointing import under_saved_tensor_checkpoint
 from .config import CompileConfig
 from .dynamo_settings import COMPILE_TAKES_RECOMPILE_LIMIT, ensure_thread_settings
 from .stats import RECOMPILE_LIMIT_WATCHER, Stats, graph_break_total, warn
@@ -160,11 +161,7 @@ def _canonical_inputs(args: tuple, kwargs: dict, training: bool) -> tuple[tuple,
 def _under_outer_checkpoint(module: nn.Module) -> bool:
     """True when this call runs inside torch.utils.checkpoint (reentrant: training forward
     with grad off; non-reentrant: checkpoint's saved-tensor hooks are active)."""
-    if module.training and not torch.is_grad_enabled():
-        return True
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    pack = hooks[0] if hooks else None
-    return pack is not None and "checkpoint" in getattr(pack, "__module__", "")
+    return (module.training and not torch.is_grad_enabled()) or under_saved_tensor_checkpoint()
 
 
 class Region:

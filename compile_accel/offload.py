@@ -1,0 +1,613 @@
+"""LayerOffloadConductor: stream a model's blocks between host and GPU memory around their calls.
+
+Most blocks live in host memory and are copied into one of two GPU slots just before they
+run; the last `1 - offload_fraction` of the blocks stay on the GPU. Only frozen parameters
+move: trainable ones (LoRA) and buffers stay on the GPU, so gradients and optimizer state
+never travel.
+
+How it composes with compiled blocks: the conductor works in forward pre-hooks on the block
+modules, which run in `nn.Module.__call__` before the (compiled) forward, so dynamo never sees
+it: no graph break, `fullgraph=True` possible. A streamed block's parameters are rebound
+(`param.data = view`) to fixed views of its slot: same device, dtype, shape, stride and a
+non-zero storage offset on every load, and the same offsets for every block of a class, so
+swapping recompiles nothing (a view at offset 0 would let dynamo specialise the offset).
+Evicted, a parameter points at its host copy; a compiled region called then runs eager and is
+counted in `Acceleration.stats()["eager_nonresident_calls"]`.
+
+Order and overlap: each block call is a visit. The conductor predicts the next visit from the
+direction of the last two (forward ascends; with checkpointing, backward recomputes blocks in
+descending order) and starts that block's copy on a side stream while the current block
+computes. Events order the two streams: a copy into a slot waits for the work enqueued before
+it (which includes the slot's previous block), and a block's compute waits for its copy. A
+wrong guess costs a copy on demand, never correctness.
+
+Backward: autograd may hold a streamed block's weights (saved for backward, or read by a
+checkpoint's recompute) after the block has left its slot. So after each block's forward the
+conductor puts a gradient hook on the block's outputs: when backward reaches the block, the
+hook visits it again, which loads it back into its own slot (the same views, so whatever
+autograd saved sees the right values) before any of its backward runs, and prefetches the
+block before it. This holds with any checkpointing (reentrant or not, around or inside the
+block, compiled into it) and with none, so a budgeted block can be streamed too. Eviction
+happens only when a slot is taken; a non-reentrant recompute that stops early (and so never
+finishes the block's forward) leaves nothing stale behind.
+
+activation_offload: the inputs of a block called inside a non-reentrant checkpoint (which
+keeps them for the recompute) are moved to pinned host memory once the next block has started
+(the tensor's `.data`, so the checkpoint's references stay valid) and brought back, one block
+ahead, in backward. Inputs shared by neighbouring blocks (timestep embedding, rotary tables)
+stay. Reentrant checkpoint copies its inputs before any hook could bring them back, so they
+stay on the GPU (with a warning). The model must not read a block's input after the next
+block has started (true for plain block loops).
+
+offload_dtype="int8": streamed frozen weight matrices are stored as per-row symmetric int8
+plus an fp32 scale per row (the host copy is lossy; the bf16 originals are dropped), sent as
+int8 and dequantized on the GPU into the block's slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
+
+from .blocks import find_block_lists
+from .checkpointing import under_saved_tensor_checkpoint
+from .stats import warn
+
+logger = logging.getLogger("compile_accel")
+
+OFFLOAD_DTYPES = (None, "int8")
+SLOTS = 2  # one block computing, the next one arriving
+ALIGN = 16  # bytes; every view starts at a multiple of this and never at offset 0
+MIN_ACTIVATION_BYTES = 1 << 20  # smaller block inputs are not worth a round trip
+_MARK = "_compile_accel_offload"
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (dim 0) symmetric int8: (int8 values of weight's shape, fp32 scale per row)."""
+    rows = weight.detach().reshape(weight.shape[0], -1).float()
+    scale = rows.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
+    q = torch.round(rows / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.reshape(weight.shape), scale
+
+
+def dequantize_int8_(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """out = q * scale per row, in place, rounded once into out's dtype."""
+    out.copy_(q)
+    out.reshape(out.shape[0], -1).mul_(scale[:, None])
+    return out
+
+
+@dataclass
+class _Entry:
+    """Where one frozen parameter sits: in the GPU slot, and in the host blob."""
+
+    param: nn.Parameter
+    offset: int  # bytes into the slot (and the host blob when not quantized)
+    quantized: bool = False
+    q_offset: int = 0  # bytes into the host blob: int8 values, then fp32 scales
+    scale_offset: int = 0
+
+    def nbytes(self) -> int:
+        return self.param.numel() * self.param.element_size()
+
+
+def _view(buffer: torch.Tensor, offset: int, like: torch.Tensor | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    shape = like.shape if isinstance(like, torch.Tensor) else like
+    nbytes = math.prod(shape) * dtype.itemsize
+    return buffer[offset : offset + nbytes].view(dtype).view(shape)
+
+
+class _Block:
+    """One block's offloaded parameters, their layout, and where they are now."""
+
+    def __init__(self, index: int, name: str, module: nn.Module, quantize: bool) -> None:
+        self.index = index
+        self.name = name
+        self.module = module
+        self.frozen = [p for p in module.parameters() if not p.requires_grad]
+        self.others = [p for p in module.parameters() if p.requires_grad] + list(module.buffers())
+        self.entries: list[_Entry] = []
+        offset = host = ALIGN
+        for p in self.frozen:
+            entry = _Entry(p, offset)
+            offset = _aligned(offset + entry.nbytes())
+            if quantize and p.dim() >= 2 and p.is_floating_point():
+                entry.quantized = True
+                entry.q_offset, host = host, _aligned(host + p.numel())
+                entry.scale_offset, host = host, _aligned(host + p.shape[0] * 4)
+            else:
+                entry.q_offset, host = host, _aligned(host + entry.nbytes())
+            self.entries.append(entry)
+        self.nbytes = offset  # slot bytes
+        self.host_nbytes = host
+        self.streamed = False
+        self.slot: int | None = None
+        self.host: torch.Tensor | None = None  # pinned (or pageable) blob, streamed blocks only
+        self.home: torch.Tensor | None = None  # GPU buffer of a block that stays resident
+        self.device_views: list[torch.Tensor] = []
+        self.host_views: list[torch.Tensor] = []
+        self.loaded: torch.cuda.Event | None = None  # copy into the slot, not yet waited for
+        self.offloaded: list[tuple[torch.Tensor, torch.Tensor]] = []  # (activation, its host copy)
+        self.activation_buffers: dict[int, torch.Tensor] = {}  # host memory per input position, reused
+        self.activations_back: torch.cuda.Event | None = None
+
+    def bind(self, views: list[torch.Tensor]) -> None:
+        for entry, view in zip(self.entries, views, strict=True):
+            entry.param.data = view
+
+
+class LayerOffloadConductor:
+    """Keeps a fraction of a model's blocks in host memory and streams them to the GPU.
+
+    offload_fraction: share of the blocks (by count, the first ones in execution order) that
+        live in host memory; 0.0 keeps all on the GPU, 1.0 streams all.
+    device: the compute device (default: the current CUDA device). "cpu" runs the same
+        bookkeeping with plain copies, for tests and debugging.
+    async_transfers: copy on a side CUDA stream, the next block while the current computes
+        (in forward and in backward's reverse order); False copies on the compute stream.
+    activation_offload: move checkpointed block inputs to host memory between their forward
+        and their recompute (non-reentrant checkpointing only; see the module docstring).
+    offload_dtype: None streams the weights as they are; "int8" stores and sends streamed
+        weight matrices as per-row int8 + scale and dequantizes them on the GPU (lossy).
+    pin_memory: keep host copies in page-locked memory (allocated once, reused every step);
+        if pinning fails the conductor warns and uses pageable memory.
+
+    Use `attach(blocks)` (hooks on each block) or `attach(blocks, hooks=False)` and call
+    `before_layer(i, inputs)` / `after_layer(i, outputs)` around block i yourself. `detach()`
+    undoes it.
+    """
+
+    def __init__(
+        self,
+        offload_fraction: float = 0.5,
+        device: torch.device | str | None = None,
+        async_transfers: bool = True,
+        activation_offload: bool = False,
+        offload_dtype: str | None = None,
+        pin_memory: bool = True,
+    ) -> None:
+        if isinstance(offload_fraction, bool) or not isinstance(offload_fraction, (int, float)):
+            raise ValueError(f"offload_fraction must be a number in [0.0, 1.0], got {offload_fraction!r}")
+        if not 0.0 <= offload_fraction <= 1.0:
+            raise ValueError(f"offload_fraction must be in [0.0, 1.0], got {offload_fraction!r}")
+        if offload_dtype not in OFFLOAD_DTYPES:
+            raise ValueError(f"offload_dtype must be one of {OFFLOAD_DTYPES}, got {offload_dtype!r}")
+        device = torch.device(device if device is not None else "cuda")
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError(
+                    "LayerOffloadConductor streams blocks to a CUDA device, but CUDA is not available "
+                    "(pass device='cpu' only to exercise the bookkeeping)"
+                )
+            device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        elif device.type != "cpu":
+            raise ValueError(f"device must be a CUDA device or 'cpu', got {device}")
+        self.offload_fraction = float(offload_fraction)
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.async_transfers = async_transfers and self.cuda
+        self.activation_offload = activation_offload
+        self.offload_dtype = offload_dtype
+        self.pin_memory = pin_memory and self.cuda
+        self.blocks: list[_Block] = []
+        self._slots: list[torch.Tensor] = []
+        self._staging: list[torch.Tensor] = []  # int8 mode: where the host blob lands before dequantizing
+        self._occupant: list[_Block | None] = []
+        self._hooks: list[RemovableHandle] = []
+        self._original_devices: dict[int, torch.device] = {}
+        self._stream = torch.cuda.Stream(device) if self.async_transfers else None
+        self._last: int | None = None  # index of the block visited last, and the one before
+        self._previous: int | None = None
+        self._last_inputs: list[torch.Tensor] = []  # the last forward-visited block's inputs
+        self._warned: set[str] = set()
+        self.counters = {
+            "loads": 0,
+            "prefetched_loads": 0,
+            "bytes_to_device": 0,
+            "activation_bytes_offloaded": 0,
+        }
+
+    # ---- setup -------------------------------------------------------------------------
+
+    def attach(self, blocks: nn.Module | Sequence[nn.Module], hooks: bool = True) -> LayerOffloadConductor:
+        """Take over the blocks' frozen weights (execution order; a model, a ModuleList or a list
+        of blocks/ModuleLists). Raises before anything moves when the input is wrong or memory
+        cannot be allocated."""
+        if self.blocks:
+            raise RuntimeError("this LayerOffloadConductor is already attached; detach() it first")
+        named = _named_blocks(blocks)
+        for name, module in named:
+            if _MARK in module.__dict__:
+                raise RuntimeError(f"block {name} is already attached to a LayerOffloadConductor")
+        self._check_devices(named)
+        plan = [_Block(i, name, module, self.offload_dtype == "int8") for i, (name, module) in enumerate(named)]
+        seen: dict[int, str] = {}
+        for block in plan:
+            for p in block.frozen:
+                if id(p) in seen:
+                    raise ValueError(f"parameter shared by blocks {seen[id(p)]} and {block.name}; cannot offload it")
+                seen[id(p)] = block.name
+        streamed = round(self.offload_fraction * len(plan))
+        for k, block in enumerate(plan[:streamed]):
+            block.streamed, block.slot = True, k % SLOTS
+        start = time.perf_counter()
+        host_gib = sum(b.host_nbytes for b in plan if b.streamed) / 2**30
+        logger.info("offload: %d of %d blocks to host memory (%.2f GiB)", streamed, len(plan), host_gib)
+        self._allocate(plan)  # may raise; nothing has moved yet
+
+        # From here on the model changes.
+        for block in plan:
+            self._original_devices.update({id(p): p.device for p in block.module.parameters()})
+            for tensor in block.others:
+                tensor.data = tensor.data.to(self.device)
+            self._fill(block)
+            block.module.__dict__[_MARK] = self
+        self.blocks = plan
+        self._occupant = [None] * len(self._slots)
+        if hooks:
+            for block in plan:
+                self._hooks.append(
+                    block.module.register_forward_pre_hook(self._pre_hook(block.index), with_kwargs=True)
+                )
+                self._hooks.append(block.module.register_forward_hook(self._post_hook(block.index)))
+        logger.info("offload: attached in %.1f s", time.perf_counter() - start)
+        return self
+
+    def _check_devices(self, named: list[tuple[str, nn.Module]]) -> None:
+        devices = {(name, p.device) for name, module in named for p in module.parameters()}
+        kinds = {device for _, device in devices}
+        if len(kinds) > 1 or (kinds and next(iter(kinds)) not in (torch.device("cpu"), self.device)):
+            listing = ", ".join(sorted({f"{name} on {device}" for name, device in devices}))
+            raise ValueError(
+                f"the blocks must all be on cpu or all on {self.device} before attach(); found {listing[:400]}"
+            )
+
+    def _host_empty(self, nbytes: int) -> torch.Tensor:
+        if self.pin_memory:
+            try:
+                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            except RuntimeError as error:
+                self.pin_memory = False
+                warn(
+                    f"could not allocate pinned host memory ({str(error).splitlines()[0]}); using pageable memory, "
+                    "so copies to the GPU are slower and do not overlap compute. Free host memory or lower "
+                    "offload_fraction to get pinned transfers"
+                )
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def _allocate(self, plan: list[_Block]) -> None:
+        streamed = [b for b in plan if b.streamed]
+        try:
+            for block in streamed:
+                block.host = self._host_empty(block.host_nbytes)
+            slot_bytes = max((b.nbytes for b in streamed), default=0)
+            self._slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) for _ in streamed[:SLOTS]]
+            if self.offload_dtype == "int8":
+                staging = max((b.host_nbytes for b in streamed), default=0)
+                self._staging = [torch.empty(staging, dtype=torch.uint8, device=self.device) for _ in self._slots]
+            for block in plan:
+                if not block.streamed:
+                    block.home = torch.empty(block.nbytes, dtype=torch.uint8, device=self.device)
+        except (RuntimeError, MemoryError):
+            for block in plan:
+                block.host = block.home = None
+            self._slots, self._staging = [], []
+            raise
+
+    def _fill(self, block: _Block) -> None:
+        """Copy the block's frozen weights into their new home and point the parameters there."""
+        if not block.streamed:
+            block.device_views = [_view(block.home, e.offset, e.param, e.param.dtype) for e in block.entries]
+            for entry, view in zip(block.entries, block.device_views, strict=True):
+                view.copy_(entry.param.data)
+            block.bind(block.device_views)
+            return
+        slot = self._slots[block.slot]
+        block.device_views = [_view(slot, e.offset, e.param, e.param.dtype) for e in block.entries]
+        block.host_views = []
+        for entry in block.entries:
+            p = entry.param
+            if entry.quantized:
+                q, scale = quantize_int8(p.data)
+                _view(block.host, entry.q_offset, q, torch.int8).copy_(q)
+                _view(block.host, entry.scale_offset, scale, torch.float32).copy_(scale)
+                # The bf16 original is dropped; while evicted the parameter is an empty placeholder.
+                block.host_views.append(torch.zeros((), dtype=p.dtype).expand(p.shape))
+            else:
+                view = _view(block.host, entry.q_offset, p, p.dtype)
+                view.copy_(p.data)
+                block.host_views.append(view)
+        block.bind(block.host_views)
+
+    def detach(self) -> None:
+        """Remove the hooks and give every parameter a standalone copy on the device it had at
+        attach (dequantized values in int8 mode)."""
+        if not self.blocks:
+            return
+        self.synchronize()
+        for hook in self._hooks:
+            hook.remove()
+        for block in self.blocks:
+            if block.streamed:
+                self._load(block)
+                self._wait(block)
+            for entry, view in zip(block.entries, block.device_views, strict=True):
+                entry.param.data = view.to(self._original_devices[id(entry.param)], copy=True)
+            for tensor in block.others:
+                if isinstance(tensor, nn.Parameter):
+                    tensor.data = tensor.data.to(self._original_devices[id(tensor)])
+            self._bring_back(block)
+            block.module.__dict__.pop(_MARK, None)
+        self.synchronize()
+        self.blocks, self._hooks, self._slots, self._staging, self._occupant = [], [], [], [], []
+        self._last = self._previous = None
+        self._last_inputs = []
+
+    # ---- per visit ---------------------------------------------------------------------
+
+    def _pre_hook(self, index: int):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            self.before_layer(index, _top_level_tensors((*args, *kwargs.values())))
+
+        return hook
+
+    def _post_hook(self, index: int):
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            self.after_layer(index, _top_level_tensors(output))
+
+        return hook
+
+    def before_layer(self, index: int, inputs: Sequence[torch.Tensor] = ()) -> None:
+        """Make block `index` resident before it runs and start copying the next one.
+        `inputs`: the block's tensor inputs (needed for activation_offload only)."""
+        block = self.blocks[index]
+        in_backward = torch._C._current_graph_task_id() != -1
+        if self._last == index:  # called again (backward's recompute of the last forward block)
+            self._wait(block)
+            return
+        self._previous, self._last = self._last, index
+        if self.activation_offload:
+            self._visit_activations(block, inputs, in_backward)
+        if block.streamed:
+            self._load(block)
+        self._wait(block)
+        upcoming = self._predict(index)
+        if upcoming is not None:
+            ahead = self.blocks[upcoming]
+            if ahead.streamed and ahead.slot != block.slot:
+                self._load(ahead, prefetch=True)
+            if in_backward and self.activation_offload:
+                self._bring_back(ahead, prefetch=True)
+
+    def after_layer(self, index: int, outputs: Sequence[torch.Tensor] = ()) -> None:
+        """Block `index` has run its forward and returned `outputs`: when backward reaches them,
+        the block is visited (loaded) again before any of its backward runs."""
+        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            return
+        for tensor in outputs:
+            if tensor.requires_grad:
+                tensor.register_hook(self._backward_visit(index))
+
+    def _backward_visit(self, index: int):
+        def hook(grad: torch.Tensor) -> None:
+            self.before_layer(index)
+
+        return hook
+
+    def _predict(self, index: int) -> int | None:
+        """The block expected after `index`: ascending in forward; at the last block a training
+        forward turns into backward (descending), an inference pass starts over."""
+        n = len(self.blocks)
+        if n < 2:
+            return None
+        descending = self._previous is not None and self._previous > index
+        if descending:
+            return index - 1 if index > 0 else 1
+        if index + 1 < n:
+            return index + 1
+        return n - 2 if torch.is_grad_enabled() or self.blocks[index].module.training else 0
+
+    # ---- weights -----------------------------------------------------------------------
+
+    def _load(self, block: _Block, prefetch: bool = False) -> None:
+        if self._occupant[block.slot] is block:
+            return
+        previous = self._occupant[block.slot]
+        if previous is not None:
+            previous.bind(previous.host_views)
+            previous.loaded = None
+        self._occupant[block.slot] = block
+        slot = self._slots[block.slot]
+        if self._stream is not None:
+            ready = torch.cuda.current_stream(self.device).record_event()
+            with torch.cuda.stream(self._stream):
+                self._stream.wait_event(ready)
+                self._copy_in(block, slot)
+                block.loaded = self._stream.record_event()
+        else:
+            self._copy_in(block, slot)
+        block.bind(block.device_views)
+        self.counters["loads"] += 1
+        self.counters["prefetched_loads"] += prefetch
+        self.counters["bytes_to_device"] += block.host_nbytes
+
+    def _copy_in(self, block: _Block, slot: torch.Tensor) -> None:
+        if self.offload_dtype is None:
+            slot[: block.nbytes].copy_(block.host, non_blocking=self.pin_memory)
+            return
+        staging = self._staging[block.slot]
+        staging[: block.host_nbytes].copy_(block.host, non_blocking=self.pin_memory)
+        for entry, view in zip(block.entries, block.device_views, strict=True):
+            if entry.quantized:
+                q = _view(staging, entry.q_offset, view, torch.int8)
+                scale = _view(staging, entry.scale_offset, view.shape[:1], torch.float32)
+                dequantize_int8_(view, q, scale)
+            else:
+                view.copy_(_view(staging, entry.q_offset, view, view.dtype))
+
+    def _wait(self, block: _Block) -> None:
+        if block.loaded is not None:
+            torch.cuda.current_stream(self.device).wait_event(block.loaded)
+            block.loaded = None
+        if block.activations_back is not None:
+            torch.cuda.current_stream(self.device).wait_event(block.activations_back)
+            block.activations_back = None
+
+    # ---- activations -------------------------------------------------------------------
+
+    def _visit_activations(self, block: _Block, inputs: Sequence[torch.Tensor], in_backward: bool) -> None:
+        """Forward: offload the previous block's inputs that this block does not share. Inputs of
+        the next-to-last block stay: backward needs them first. Backward: this block's inputs
+        must be back before its recompute reads them."""
+        previous_inputs, self._last_inputs = self._last_inputs, [] if in_backward else list(inputs)
+        if in_backward:
+            self._bring_back(block)
+            return
+        if self._previous != block.index - 1 or block.index == len(self.blocks) - 1:
+            return
+        previous = self.blocks[self._previous]
+        if not torch.is_grad_enabled():
+            if block.module.training and any(t.requires_grad for t in inputs):
+                self._warn_once(
+                    "reentrant",
+                    "activation_offload needs non-reentrant checkpointing (torch.utils.checkpoint(..., "
+                    "use_reentrant=False)); with reentrant checkpointing block inputs stay on the GPU",
+                )
+            return
+        if not under_saved_tensor_checkpoint():
+            self._warn_once(
+                "no checkpoint",
+                f"activation_offload moves the inputs of blocks called inside a non-reentrant checkpoint; "
+                f"block {block.name} is not, so its inputs stay on the GPU (diffusers: "
+                "model.enable_gradient_checkpointing())",
+            )
+            return
+        current = {id(t) for t in inputs}
+        for tensor in previous_inputs:
+            if (
+                id(tensor) in current
+                or not tensor.is_floating_point()
+                or tensor.device != self.device
+                or tensor.numel() * tensor.element_size() < MIN_ACTIVATION_BYTES
+            ):
+                continue
+            host = self._host_activation(previous, len(previous.offloaded), tensor)
+            self._move(tensor, host, to_host=True)
+            previous.offloaded.append((tensor, host))
+            self.counters["activation_bytes_offloaded"] += tensor.numel() * tensor.element_size()
+
+    def _host_activation(self, block: _Block, position: int, like: torch.Tensor) -> torch.Tensor:
+        """A host buffer for one input of one block, kept across steps (reallocated if it grows)."""
+        nbytes = like.numel() * like.element_size()
+        buffer = block.activation_buffers.get(position)
+        if buffer is None or buffer.numel() < nbytes + ALIGN:
+            buffer = block.activation_buffers[position] = self._host_empty(_aligned(nbytes) + ALIGN)
+        return _view(buffer, ALIGN, like, like.dtype)
+
+    def _move(self, tensor: torch.Tensor, target: torch.Tensor, to_host: bool) -> torch.Tensor:
+        """Copy `tensor`'s data into `target` and point `tensor` at it (on the side stream)."""
+        source = tensor.data
+        if self._stream is None:
+            target.copy_(source)
+        else:
+            ready = torch.cuda.current_stream(self.device).record_event()
+            with torch.cuda.stream(self._stream):
+                self._stream.wait_event(ready)
+                target.copy_(source, non_blocking=self.pin_memory)
+                if to_host:
+                    source.record_stream(self._stream)  # freed only once the copy has read it
+        tensor.data = target
+        return target
+
+    def _bring_back(self, block: _Block, prefetch: bool = False) -> None:
+        if not block.offloaded:
+            return
+        for tensor, host in block.offloaded:
+            self._move(tensor, torch.empty_like(host, device=self.device), to_host=False)
+        block.offloaded = []
+        if self._stream is not None:
+            block.activations_back = self._stream.record_event()
+        if not prefetch:
+            self._wait(block)
+
+    # ---- reporting ---------------------------------------------------------------------
+
+    def synchronize(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def stats(self) -> dict[str, Any]:
+        """Layout and cumulative transfer counters (diff two calls for per-step figures)."""
+        streamed = [b for b in self.blocks if b.streamed]
+        return {
+            "blocks": len(self.blocks),
+            "streamed_blocks": len(streamed),
+            "slots": len(self._slots),
+            "host_bytes": sum(b.host_nbytes for b in streamed),
+            "slot_bytes": sum(s.numel() for s in self._slots),
+            "pinned": self.pin_memory,
+            "offload_dtype": self.offload_dtype,
+            **self.counters,
+        }
+
+    def resident_streamed_blocks(self) -> list[int]:
+        """Indices of streamed blocks whose weights are in a GPU slot now."""
+        return [b.index for b in self._occupant if b is not None]
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warn(message)
+
+    def __repr__(self) -> str:
+        streamed = sum(b.streamed for b in self.blocks)
+        return (
+            f"LayerOffloadConductor(offload_fraction={self.offload_fraction}, device={self.device}, "
+            f"blocks={len(self.blocks)}, streamed={streamed}, offload_dtype={self.offload_dtype!r})"
+        )
+
+
+def _top_level_tensors(values: Any) -> list[torch.Tensor]:
+    if isinstance(values, torch.Tensor):
+        return [values]
+    if isinstance(values, dict):
+        values = values.values()
+    if isinstance(values, (tuple, list, type({}.values()))):
+        return [v for v in values if isinstance(v, torch.Tensor)]
+    return []
+
+
+def _named_blocks(blocks: nn.Module | Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
+    """(name, block) in execution order from a model, a ModuleList, or a list of either."""
+    if isinstance(blocks, nn.ModuleList):
+        return [(str(i), b) for i, b in enumerate(blocks)]
+    if isinstance(blocks, nn.Module):
+        lists = find_block_lists(blocks)
+        if not lists:
+            raise ValueError(f"{type(blocks).__name__} has no repeated blocks; pass the blocks to attach()")
+        return [named for block_list in lists for named in block_list.named_blocks()]
+    named: list[tuple[str, nn.Module]] = []
+    for i, item in enumerate(blocks):
+        if isinstance(item, nn.ModuleList):
+            named += [(f"{i}.{j}", b) for j, b in enumerate(item)]
+        elif isinstance(item, nn.Module):
+            named.append((str(i), item))
+        else:
+            raise TypeError(f"attach() takes modules or ModuleLists, got {type(item).__name__} at position {i}")
+    if not named:
+        raise ValueError("attach() got no blocks")
+    if len({id(m) for _, m in named}) != len(named):
+        raise ValueError("attach() got the same block twice")
+    return named

@@ -1,0 +1,308 @@
+"""LayerOffloadConductor on the CPU (device="cpu": the same bookkeeping with plain copies):
+LoRA gradients equal to a resident run under every checkpointing style, residency and order,
+eviction after an early-stopped recompute, activation offload, int8 streaming, composition
+with compiled blocks, and bad input that changes nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from conftest import build, inputs_for, lora_step
+from torch.utils.checkpoint import checkpoint
+
+import compile_accel
+from compile_accel import CompileConfig, offload
+from compile_accel.offload import LayerOffloadConductor, dequantize_int8_, quantize_int8
+
+DIM, TOKENS = 32, 16
+
+
+class Block(nn.Module):
+    """A frozen MLP block with a trainable low-rank adapter and a shared conditioning input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.fc1 = nn.Linear(DIM, 4 * DIM)
+        self.fc2 = nn.Linear(4 * DIM, DIM)
+        self.down = nn.Parameter(torch.randn(DIM, 4) * 0.1)
+        self.up = nn.Parameter(torch.randn(4, DIM) * 0.1)
+        for module in (self.norm, self.fc1, self.fc2):
+            module.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x) + cond
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(h))) + h @ self.down @ self.up
+
+
+class Stack(nn.Module):
+    """Blocks called the diffusers way: the checkpoint wraps the block call."""
+
+    def __init__(self, n: int = 6, checkpointing: str | None = "non-reentrant") -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(n))
+        self.checkpointing = checkpointing
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            if self.checkpointing is None:
+                x = block(x, cond)
+            else:
+                x = checkpoint(block, x, cond, use_reentrant=self.checkpointing == "reentrant")
+        return x
+
+
+def stack_inputs(batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(batch, TOKENS, DIM, requires_grad=True)
+    return x, torch.randn(batch, 1, DIM)
+
+
+def trainable(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def copy_of(model: Stack) -> Stack:
+    twin = Stack(len(model.blocks), model.checkpointing)
+    twin.load_state_dict(model.state_dict())
+    return twin
+
+
+def step(model: nn.Module, inputs: tuple) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    x, cond = inputs
+    x = x.detach().requires_grad_(True)
+    return lora_step(model, trainable(model), (x, cond))
+
+
+class Residency:
+    """Records, at every block call, whether the block's weights are in place and how many
+    streamed blocks the conductor holds in its slots."""
+
+    def __init__(self, conductor: LayerOffloadConductor, blocks: nn.ModuleList) -> None:
+        self.conductor = conductor
+        self.calls: list[int] = []
+        self.finished: list[int] = []
+        self.held: list[int] = []
+        self.misplaced: list[int] = []
+        for index, block in enumerate(blocks):
+            block.register_forward_pre_hook(self._before(index))  # runs after the conductor's hook
+            block.register_forward_hook(lambda module, args, out, index=index: self.finished.append(index))
+
+    def _before(self, index: int):
+        def hook(module: nn.Module, args: tuple) -> None:
+            self.calls.append(index)
+            held = self.conductor.resident_streamed_blocks()
+            self.held.append(len(held))
+            if self.conductor.blocks[index].streamed and index not in held:
+                self.misplaced.append(index)
+
+        return hook
+
+
+@pytest.mark.parametrize("checkpointing", ["non-reentrant", "reentrant", None])
+def test_lora_grads_equal_a_resident_run(checkpointing: str | None) -> None:
+    """Streamed weights are exact copies, so every step gives the resident run's gradients
+    bit for bit; without checkpointing too (weights saved for backward are reloaded first)."""
+    reference = Stack(checkpointing=checkpointing)
+    model = copy_of(reference)
+    conductor = LayerOffloadConductor(offload_fraction=0.67, device="cpu").attach(model.blocks)
+    assert conductor.stats()["streamed_blocks"] == 4
+    for _ in range(2):
+        inputs = stack_inputs()
+        loss, grads = step(model, inputs)
+        expected_loss, expected = step(reference, inputs)
+        assert torch.equal(loss, expected_loss)
+        assert all(torch.equal(g, e) for g, e in zip(grads, expected, strict=True))
+
+
+def test_order_prefetch_and_early_stopped_recompute() -> None:
+    """Forward ascends and backward descends; after the first step every load was predicted and
+    started a block ahead; at most two streamed blocks are ever held; a non-reentrant recompute
+    that stops early (so the block's forward never finishes) leaves nothing stale."""
+    model = Stack(n=8, checkpointing="non-reentrant")
+    conductor = LayerOffloadConductor(offload_fraction=0.75, device="cpu").attach(model.blocks)
+    residency = Residency(conductor, model.blocks)
+    step(model, stack_inputs())
+    first = dict(conductor.counters)
+    residency.calls.clear(), residency.finished.clear()
+    step(model, stack_inputs())
+    assert residency.calls == [*range(8), *reversed(range(8))]
+    assert len(residency.finished) < len(residency.calls)  # the recompute stopped early
+    assert residency.misplaced == []
+    assert max(residency.held) <= offload.SLOTS
+    loads = conductor.counters["loads"] - first["loads"]
+    assert loads > 0 and conductor.counters["prefetched_loads"] - first["prefetched_loads"] == loads
+
+
+def test_inner_checkpoint_and_compiled_blocks_stream_without_recompiles() -> None:
+    """The trainer-style checkpoint inside each block's forward, blocks compiled: swapping
+    weights through the slots compiles nothing new after the first step, the regions run
+    compiled, and the gradients match the uncompiled, resident model."""
+    reference, ref_params = build("kohya", "non-reentrant", double_blocks=3, single_blocks=3)
+    model, params = build("kohya", "non-reentrant", double_blocks=3, single_blocks=3)
+    model.load_state_dict(reference.state_dict())
+    for p, q in zip(params, ref_params, strict=True):
+        p.data.copy_(q.data)
+    acceleration = compile_accel.apply(model, CompileConfig(mode="blocks", backend="aot_eager"))
+    conductor = LayerOffloadConductor(offload_fraction=0.67, device="cpu")
+    conductor.attach([model.double_blocks, model.single_blocks])
+    inputs = inputs_for(model)
+    lora_step(model, params, inputs)
+    graphs = acceleration.stats()["unique_graphs"]
+    for _ in range(2):
+        inputs = inputs_for(model)
+        loss, grads = lora_step(model, params, inputs)
+        expected_loss, expected = lora_step(reference, ref_params, inputs)
+        torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
+        for g, e in zip(grads, expected, strict=True):
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
+    stats = acceleration.stats()
+    assert stats["unique_graphs"] == graphs
+    assert stats["recompiles"] == 0
+    assert stats["fallbacks"] == []
+
+
+def test_activation_offload_moves_checkpointed_inputs_and_brings_them_back(monkeypatch) -> None:
+    monkeypatch.setattr(offload, "MIN_ACTIVATION_BYTES", 0)
+    reference = Stack(n=6)
+    model = copy_of(reference)
+    conductor = LayerOffloadConductor(offload_fraction=0.5, device="cpu", activation_offload=True)
+    conductor.attach(model.blocks)
+    inputs = stack_inputs()
+    loss, grads = step(model, inputs)
+    expected_loss, expected = step(reference, inputs)
+    assert torch.equal(loss, expected_loss)
+    assert all(torch.equal(g, e) for g, e in zip(grads, expected, strict=True))
+    # The inputs of blocks 0..3, not the shared `cond`; block 4's stay (backward needs them first),
+    # block 5's were never left behind.
+    per_input = inputs[0].numel() * inputs[0].element_size()
+    assert conductor.counters["activation_bytes_offloaded"] == 4 * per_input
+
+
+def test_activation_offload_warns_under_reentrant_checkpoint(monkeypatch) -> None:
+    monkeypatch.setattr(offload, "MIN_ACTIVATION_BYTES", 0)
+    model = Stack(n=4, checkpointing="reentrant")
+    conductor = LayerOffloadConductor(offload_fraction=0.5, device="cpu", activation_offload=True)
+    conductor.attach(model.blocks)
+    with pytest.warns(RuntimeWarning, match="non-reentrant"):
+        step(model, stack_inputs())
+    assert conductor.counters["activation_bytes_offloaded"] == 0
+
+
+def test_int8_round_trip_error_is_within_half_a_step() -> None:
+    weight = torch.randn(64, 48) * torch.logspace(-3, 1, 64)[:, None]  # rows of very different scale
+    q, scale = quantize_int8(weight)
+    assert q.dtype == torch.int8 and scale.shape == (64,)
+    restored = dequantize_int8_(torch.empty_like(weight), q, scale)
+    assert ((restored - weight).abs() <= scale[:, None] / 2 + 1e-7).all()
+
+
+def test_int8_streaming_halves_bytes_and_keeps_lora_exact() -> None:
+    reference = Stack(n=4).to(torch.bfloat16)
+    model = copy_of(reference).to(torch.bfloat16)
+    lora = [p.detach().clone() for p in trainable(model)]
+    plain = LayerOffloadConductor(offload_fraction=1.0, device="cpu").attach(copy_of(reference).to(torch.bfloat16).blocks)
+    int8 = LayerOffloadConductor(offload_fraction=1.0, device="cpu", offload_dtype="int8").attach(model.blocks)
+    assert int8.stats()["host_bytes"] < 0.6 * plain.stats()["host_bytes"]
+    x, cond = (t.to(torch.bfloat16) for t in stack_inputs())
+    with torch.no_grad():
+        out, expected = model(x, cond), reference(x, cond)
+    assert 0 < ((out - expected).float().norm() / expected.float().norm()).item() < 2e-2
+    assert all(torch.equal(p, q) and p.dtype == torch.bfloat16 for p, q in zip(trainable(model), lora, strict=True))
+
+
+def test_detach_gives_standalone_weights_back() -> None:
+    model = Stack(n=4)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    conductor = LayerOffloadConductor(offload_fraction=0.5, device="cpu").attach(model.blocks)
+    step(model, stack_inputs())
+    conductor.detach()
+    assert all(torch.equal(v, original[k]) for k, v in model.state_dict().items())
+    pointers = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert len(pointers) == len(list(model.parameters()))  # no longer views of shared slots
+    assert not any(block._forward_pre_hooks or block._forward_hooks for block in model.blocks)
+    LayerOffloadConductor(offload_fraction=0.5, device="cpu").attach(model.blocks)  # attachable again
+
+
+def _snapshot(model: nn.Module) -> list[tuple[int, torch.device]]:
+    return [(p.untyped_storage().data_ptr(), p.device) for p in model.parameters()]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"offload_fraction": -0.1}, "offload_fraction"),
+        ({"offload_fraction": 1.5}, "offload_fraction"),
+        ({"offload_fraction": True}, "offload_fraction"),
+        ({"offload_fraction": "0.5"}, "offload_fraction"),
+        ({"offload_dtype": "fp8"}, "offload_dtype"),
+        ({"device": "meta"}, "device"),
+    ],
+)
+def test_bad_arguments_raise(kwargs: dict, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        LayerOffloadConductor(**{"device": "cpu", **kwargs})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_absent_is_a_clear_error() -> None:
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        LayerOffloadConductor()
+
+
+def test_bad_blocks_change_nothing() -> None:
+    model = Stack(n=4)
+    model.blocks[1].fc1 = nn.Linear(DIM, 4 * DIM, device="meta")  # a half-moved model
+    before = [(p.device, p.shape) for p in model.parameters()]
+    with pytest.raises(ValueError, match="all be on cpu"):
+        LayerOffloadConductor(device="cpu").attach(model.blocks)
+    assert [(p.device, p.shape) for p in model.parameters()] == before
+    assert not any(block._forward_pre_hooks for block in model.blocks)
+
+    model = Stack(n=4)
+    conductor = LayerOffloadConductor(device="cpu").attach(model.blocks)
+    with pytest.raises(RuntimeError, match="already attached"):
+        LayerOffloadConductor(device="cpu").attach(model.blocks)
+    with pytest.raises(RuntimeError, match="already attached"):
+        conductor.attach(Stack(n=2).blocks)
+    with pytest.raises(ValueError, match="same block twice"):
+        LayerOffloadConductor(device="cpu").attach([Stack(n=1).blocks[0]] * 2)
+
+
+def test_allocation_failure_leaves_the_model_as_it_was(monkeypatch) -> None:
+    model = Stack(n=4)
+    before = _snapshot(model)
+    conductor = LayerOffloadConductor(offload_fraction=0.5, device="cpu")
+    real_empty, calls = torch.empty, []
+
+    def failing_empty(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("out of memory")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", failing_empty)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        conductor.attach(model.blocks)
+    monkeypatch.undo()
+    assert _snapshot(model) == before
+    assert not any(block._forward_pre_hooks for block in model.blocks)
+    conductor.attach(model.blocks)  # the same conductor works once memory is there
+
+
+def test_pinning_failure_falls_back_to_pageable_with_a_warning(monkeypatch) -> None:
+    conductor = LayerOffloadConductor(offload_fraction=1.0, device="cpu")
+    conductor.pin_memory = True  # as on a CUDA machine
+    real_empty = torch.empty
+
+    def no_pinning(*args, pin_memory: bool = False, **kwargs):
+        if pin_memory:
+            raise RuntimeError("cudaHostAlloc failed")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", no_pinning)
+    model = Stack(n=2)
+    with pytest.warns(RuntimeWarning, match="pageable"):
+        conductor.attach(model.blocks)
+    assert conductor.stats()["pinned"] is False
+    assert all(not b.host.is_pinned() for b in conductor.blocks if b.streamed)
