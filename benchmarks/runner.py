@@ -12,6 +12,12 @@ each child prints last. Modes:
     blocks+budget=B    whole blocks compiled with activation memory budget B, no checkpointing
     blocks+auto        the budget chosen by calibration on the first step (--vram-limit-gib)
 
+Any mode can end in `+offload=F` (LayerOffloadConductor streaming the first F of the blocks
+from pinned host memory), optionally followed by `+act` (activation offload) and `+int8`
+(int8 weight streaming), e.g. `blocks+ckpt+offload=0.9+act`. Those rows also report the bytes
+sent per step, the time the same transfers take with no compute, and for int8 the output
+error against the bf16 weights.
+
 On a GPU each child also counts the FLOPs of one LoRA step without recompute (forward and
 backward, torch.utils.flop_counter) and times a bf16 matmul, for the model FLOP utilisation:
 step FLOPs / step time / matmul rate.
@@ -34,12 +40,18 @@ from typing import Any, Callable
 
 import torch
 
-from compile_accel import CompileConfig
-
+from compile_accel import CompileConfig, LayerOffloadConductor
 from compile_accel.memory import SavedActivationMeter
 from .models import MODELS, BenchModel
 
 DEFAULT_MODES = ["eager+ckpt", "selective+ckpt", "blocks+budget=0.5", "blocks+budget=1.0"]
+
+
+@dataclass
+class OffloadSpec:
+    fraction: float
+    activation_offload: bool = False
+    int8: bool = False
 
 
 @dataclass
@@ -48,10 +60,31 @@ class ModeSpec:
     config: CompileConfig
     checkpointing: bool
     whole_model: bool = False
+    offload: OffloadSpec | None = None
+
+
+def _parse_offload(spec: str, suffix: str) -> OffloadSpec:
+    value, *flags = suffix.split("+")
+    try:
+        fraction = float(value)
+    except ValueError:
+        raise ValueError(f"mode {spec!r}: offload fraction must be a number in [0, 1]") from None
+    if not 0.0 <= fraction <= 1.0 or not set(flags) <= {"act", "int8"} or len(set(flags)) != len(flags):
+        raise ValueError(f"mode {spec!r}: expected +offload=F with F in [0, 1], then optionally +act and +int8")
+    return OffloadSpec(fraction, "act" in flags, "int8" in flags)
 
 
 def parse_mode(spec: str) -> ModeSpec:
     """'blocks+budget=0.5' -> blocks mode, budget 0.5, no checkpointing; ValueError if unknown."""
+    base, _, offload = spec.partition("+offload=")
+    mode = _parse_compile_mode(base)
+    mode.name = spec
+    if offload:
+        mode.offload = _parse_offload(spec, offload)
+    return mode
+
+
+def _parse_compile_mode(spec: str) -> ModeSpec:
     head, _, rest = spec.partition("+")
     if head == "eager" and rest in ("", "ckpt"):
         return ModeSpec(spec, CompileConfig(mode="off"), rest == "ckpt")
@@ -73,7 +106,7 @@ def parse_mode(spec: str) -> ModeSpec:
         return ModeSpec(spec, config, False)
     raise ValueError(
         f"unknown mode {spec!r}; modes: eager, eager+ckpt, whole+ckpt, selective+ckpt, blocks+ckpt, blocks+budget=B, "
-        "blocks+auto"
+        "blocks+auto, each optionally followed by +offload=F[+act][+int8]"
     )
 
 
@@ -169,6 +202,25 @@ def step_flops(bench: BenchModel) -> int:
     return counter.get_total_flops()
 
 
+def _inference_output(bench: BenchModel, device: str) -> torch.Tensor:
+    with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+        return bench.predict().float()
+
+
+def transfer_only_seconds(conductor: LayerOffloadConductor, repeats: int = 3) -> float:
+    """The weight copies of one training step (forward order, then backward's) with no compute."""
+    order = [*range(len(conductor.blocks)), *reversed(range(len(conductor.blocks)))]
+    times = []
+    for _ in range(repeats):
+        conductor.synchronize()
+        start = time.perf_counter()
+        for index in order:
+            conductor.before_layer(index)
+        conductor.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
     """Build the model with LoRA, apply the mode, and time LoRA training steps."""
     device = settings.device
@@ -176,7 +228,9 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
     bench = MODELS[settings.model](device, settings.lora_rank, settings.batch, settings.res)
     model = bench.model
     model.train()
-    flops = step_flops(bench) if device == "cuda" else None
+    # FLOPs are counted on a step without checkpointing, which an offloaded model has no room for.
+    flops = step_flops(bench) if device == "cuda" and spec.offload is None else None
+    bf16_output = _inference_output(bench, device) if spec.offload is not None and spec.offload.int8 else None
     if spec.checkpointing:
         bench.enable_checkpointing()
     config = dataclasses.replace(spec.config, exclude=bench.exclude)
@@ -185,6 +239,16 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
     acceleration = bench.accelerate(model, config)
     if spec.whole_model:
         model.compile()
+    conductor = None
+    if spec.offload is not None:
+        conductor = LayerOffloadConductor(
+            spec.offload.fraction,
+            device=device,
+            activation_offload=spec.offload.activation_offload,
+            offload_dtype="int8" if spec.offload.int8 else None,
+        ).attach(model)
+        if device == "cuda":
+            torch.cuda.empty_cache()
     optimizer = torch.optim.AdamW(bench.lora_params, lr=1e-4)
 
     def step() -> float:
@@ -205,6 +269,7 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
     _sync(device)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    counters_before = dict(conductor.counters) if conductor is not None else {}
     times = []
     for _ in range(settings.steps):
         _sync(device)
@@ -220,6 +285,17 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
         optimizer.zero_grad(set_to_none=True)
         peak, kind, reserved = meter.bytes, "activation bytes saved for backward", None
     stats = acceleration.stats()
+    if conductor is not None:
+        per_step = {k: (v - counters_before[k]) / settings.steps for k, v in conductor.counters.items()}
+        stats["offload"] = {
+            **conductor.stats(),
+            "bytes_to_device_per_step": per_step["bytes_to_device"],
+            "activation_bytes_offloaded_per_step": per_step["activation_bytes_offloaded"],
+            "transfer_only_s": transfer_only_seconds(conductor),
+        }
+        if bf16_output is not None:
+            output = _inference_output(bench, device)
+            stats["offload"]["int8_output_rel_error"] = ((output - bf16_output).norm() / bf16_output.norm()).item()
     if spec.whole_model:
         counters = torch._dynamo.utils.counters
         stats.update(
@@ -313,7 +389,35 @@ def markdown_table(report: dict[str, Any], baseline: str = "eager+ckpt") -> str:
             f"| {'-' if r.get('mfu') is None else format(r['mfu'], '.1%')} | {s.get('unique_graphs', 0)} "
             f"| {s.get('recompiles', 0)} | {s.get('graph_breaks', 0)} | {len(s.get('fallbacks', []))} |"
         )
-    return "\n".join(lines)
+    offload = offload_table(report)
+    return "\n".join(lines) + (f"\n\n{offload}" if offload else "")
+
+
+def offload_table(report: dict[str, Any]) -> str:
+    """Rows with +offload: step time against the same mode without offload (compute only, when
+    it ran) and against the transfers alone; the overlap bar is step <= 1.15 x the larger."""
+    by_mode = {r["mode"]: r for r in report["results"]}
+    lines = [
+        "| mode | median s/step | compute-only s/step | transfer-only s | step / max(both) | GiB to GPU per step "
+        "| activations GiB per step | int8 output error |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["results"]:
+        offload = r["stats"].get("offload")
+        if offload is None:
+            continue
+        compute = by_mode.get(r["mode"].partition("+offload=")[0])
+        compute_s = compute["step_s_median"] if compute else None
+        bound = max(compute_s or 0.0, offload["transfer_only_s"])
+        error = offload.get("int8_output_rel_error")
+        lines.append(
+            f"| {r['mode']} | {r['step_s_median']:.4f} | {'-' if compute_s is None else format(compute_s, '.4f')} "
+            f"| {offload['transfer_only_s']:.4f} | {r['step_s_median'] / bound:.2f} "
+            f"| {offload['bytes_to_device_per_step'] / 2**30:.2f} "
+            f"| {offload['activation_bytes_offloaded_per_step'] / 2**30:.2f} "
+            f"| {'-' if error is None else format(error, '.2e')} |"
+        )
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,19 +23,21 @@ def test_doctor_reports_a_usable_setup() -> None:
 
 
 def test_bench_runs_each_mode_and_writes_json(tmp_path) -> None:
-    proc = _cli(
-        "bench", "--modes", "eager+ckpt,blocks+budget=1.0", "--steps", "2", "--warmup", "1", "--out", str(tmp_path)
-    )
+    modes = "eager+ckpt,blocks+budget=1.0,eager+ckpt+offload=0.5"
+    proc = _cli("bench", "--modes", modes, "--steps", "2", "--warmup", "1", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
-    assert "[1/2] eager+ckpt" in proc.stderr and "[2/2] blocks+budget=1.0" in proc.stderr  # progress
+    assert "[1/3] eager+ckpt" in proc.stderr and "[2/3] blocks+budget=1.0" in proc.stderr  # progress
     report = json.loads((tmp_path / "bench.json").read_text())
     results = {r["mode"]: r for r in report["results"]}
-    assert set(results) == {"eager+ckpt", "blocks+budget=1.0"}
+    assert set(results) == set(modes.split(","))
     assert all(r["step_s_median"] > 0 and r["peak_bytes"] > 0 for r in results.values())
     assert results["blocks+budget=1.0"]["stats"]["compiled_regions"] > 0
     assert results["eager+ckpt"]["stats"]["regions"] == 0
+    offload = results["eager+ckpt+offload=0.5"]["stats"]["offload"]
+    assert offload["streamed_blocks"] == 3 and offload["bytes_to_device_per_step"] > 0
     assert "| blocks+budget=1.0 |" in proc.stdout and "vs eager+ckpt" in proc.stdout
-    assert (tmp_path / "bench.md").read_text().count("\n") == 4  # header, rule, two modes
+    tables = (tmp_path / "bench.md").read_text().strip().split("\n\n")
+    assert [table.count("\n") for table in tables] == [4, 2]  # header, rule and a row per mode; offload rows
     assert report["environment"]["torch"]
 
 
@@ -61,6 +63,16 @@ def test_parse_mode(spec: str, mode: str, budget: float | None, ckpt: bool) -> N
 def test_parse_mode_rejects_out_of_range_budget() -> None:
     with pytest.raises(ValueError, match=r"\[0.0, 1.0\]"):
         parse_mode("blocks+budget=1.5")
+
+
+def test_parse_mode_with_offload() -> None:
+    parsed = parse_mode("blocks+ckpt+offload=0.9+act+int8")
+    assert (parsed.config.mode, parsed.checkpointing) == ("blocks", True)
+    assert (parsed.offload.fraction, parsed.offload.activation_offload, parsed.offload.int8) == (0.9, True, True)
+    assert parse_mode("eager+ckpt").offload is None
+    for bad in ("eager+ckpt+offload=1.2", "eager+ckpt+offload=0.5+fast", "eager+ckpt+offload=x"):
+        with pytest.raises(ValueError, match="offload"):
+            parse_mode(bad)
 
 
 def test_pareto_front_keeps_only_undominated_settings() -> None:

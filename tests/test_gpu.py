@@ -1,4 +1,5 @@
-"""On a CUDA device (skipped without one): bf16 parity, offloaded weights, `.data` swaps."""
+"""On a CUDA device (skipped without one): bf16 parity, offloaded weights, `.data` swaps, the
+offload conductor's streams, int8 streaming, and sd-scripts-style block swaps."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import compile_accel
 from compile_accel import CompileConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-
 
 
 def _cuda_step(model, params, inputs, autocast: bool = True):
@@ -95,3 +95,102 @@ def test_block_with_host_weights_runs_eager_and_is_counted() -> None:
     torch.testing.assert_close(out, expected)
     stats = acceleration.stats()
     assert stats["eager_nonresident_calls"] == 3 and stats["unique_graphs"] == 0
+
+
+def _cuda_stack(n: int = 6):
+    from test_offload import Stack
+
+    model = Stack(n=n).cuda()
+    reference = Stack(n=n).cuda()
+    reference.load_state_dict(model.state_dict())
+    return model, reference
+
+
+def test_streamed_compiled_blocks_match_resident_eager_without_recompiles(monkeypatch) -> None:
+    """Side-stream copies with prefetch, activation offload and inductor-compiled blocks under
+    diffusers-style checkpointing: LoRA gradients as a fully resident eager run's, every block
+    call compiled (none eager for want of its weights), no recompiles after the first step."""
+    from test_offload import stack_inputs, step
+
+    from compile_accel import LayerOffloadConductor, offload
+
+    monkeypatch.setattr(offload, "MIN_ACTIVATION_BYTES", 0)
+    model, reference = _cuda_stack()
+    holder = nn.Module()
+    holder.blocks = model.blocks
+    acceleration = compile_accel.apply(holder, CompileConfig(mode="blocks"), blocks=["blocks"])
+    conductor = LayerOffloadConductor(offload_fraction=0.67, activation_offload=True).attach(model.blocks)
+    assert all(b.host.is_pinned() for b in conductor.blocks if b.streamed)
+    step(model, tuple(t.cuda() for t in stack_inputs()))
+    graphs = acceleration.stats()["unique_graphs"]
+    for _ in range(3):
+        inputs = tuple(t.cuda() for t in stack_inputs())
+        loss, grads = step(model, inputs)
+        expected_loss, expected = step(reference, inputs)
+        torch.testing.assert_close(loss, expected_loss, rtol=1e-4, atol=1e-6)
+        assert all(relative_error(g, e) < 1e-4 for g, e in zip(grads, expected, strict=True))
+    stats = acceleration.stats()
+    assert stats["unique_graphs"] == graphs and stats["recompiles"] == 0
+    assert stats["eager_nonresident_calls"] == 0
+    assert conductor.counters["prefetched_loads"] > 0 and conductor.counters["activation_bytes_offloaded"] > 0
+
+
+def test_int8_streaming_on_cuda_halves_bytes_with_small_error() -> None:
+    from test_offload import stack_inputs
+
+    from compile_accel import LayerOffloadConductor
+
+    model, reference = _cuda_stack()
+    model, reference = model.to(torch.bfloat16), reference.to(torch.bfloat16)
+    conductor = LayerOffloadConductor(offload_fraction=1.0, offload_dtype="int8").attach(model.blocks)
+    bf16_bytes = sum(p.numel() * 2 for b in reference.blocks for p in b.parameters() if not p.requires_grad)
+    assert conductor.stats()["host_bytes"] < 0.6 * bf16_bytes
+    x, cond = (t.cuda().to(torch.bfloat16) for t in stack_inputs())
+    with torch.no_grad():
+        error = relative_error(model(x, cond).float(), reference(x, cond).float())
+    assert 0 < error < 2e-2
+
+
+class _Swapped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(128, 512), nn.Linear(512, 128)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+def _exchange(on_gpu: nn.Module, on_host: nn.Module) -> None:
+    """sd-scripts' ModelOffloader swap: the host block's weights are copied into the GPU block's
+    storage, which the host block takes over; the GPU block's weights go to host memory."""
+    for gpu_linear, host_linear in ((on_gpu.fc1, on_host.fc1), (on_gpu.fc2, on_host.fc2)):
+        storage = gpu_linear.weight.data
+        gpu_linear.weight.data = storage.to("cpu", copy=True)
+        host_linear.weight.data = storage.copy_(host_linear.weight.data)
+
+
+def test_block_swap_by_weight_exchange_stays_compiled_and_correct() -> None:
+    """Weight `.data` exchanged between a GPU block and a host block between calls (biases stay
+    on the GPU, as in sd-scripts): every call of a resident block runs compiled, with the
+    eager result, and no swap recompiles."""
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(_Swapped() for _ in range(4)).cuda()
+    for block in blocks[2:]:
+        block.fc1.weight.data, block.fc2.weight.data = block.fc1.weight.data.cpu(), block.fc2.weight.data.cpu()
+    eager = nn.ModuleList(_Swapped() for _ in range(4)).cuda()
+    eager.load_state_dict({k: v.cuda() for k, v in blocks.state_dict().items()})
+    holder = nn.Module()
+    holder.blocks = blocks
+    acceleration = compile_accel.apply(holder, CompileConfig(mode="blocks"), blocks=["blocks"])
+    x = torch.randn(8, 128, device="cuda")
+    for _ in range(3):
+        out, expected = x, x
+        for i in range(4):
+            out, expected = blocks[i](out), eager[i](expected)
+            if i < 2:
+                _exchange(blocks[i], blocks[i + 2])  # block i done: bring block i + 2 in
+        for i in range(2):
+            _exchange(blocks[i + 2], blocks[i])  # and back, for the next step
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    stats = acceleration.stats()
+    assert stats["eager_nonresident_calls"] == 0 and stats["unique_graphs"] == 1 and stats["recompiles"] == 0
