@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -165,9 +166,47 @@ def sd3(device: str, lora_rank: int, batch: int | None, res: int | None) -> Benc
     return _diffusers_bench(description, model, params, inputs)
 
 
+def sdscripts_lumina2(device: str, lora_rank: int, batch: int | None, res: int | None) -> BenchModel:
+    """kohya sd-scripts' NextDiT at full size (NextDiT_2B_GQA_patch2_Adaln_Refiner), random bf16
+    weights, sd-scripts' own LoRA (networks/lora_lumina.py, fp32 weights, which need the runner's
+    bf16 autocast, as in its trainer), 256 caption tokens. Imports from $SD_SCRIPTS_DIR
+    (default: .sd-scripts/ in this repository)."""
+    import os
+    import sys
+
+    from compile_accel.integrations import sd_scripts as accel_sd_scripts
+
+    root = os.environ.get("SD_SCRIPTS_DIR", str(Path(__file__).resolve().parent.parent / ".sd-scripts"))
+    sys.path.insert(0, root)
+    from library import lumina_models
+    from networks import lora_lumina
+
+    batch, res = batch or 2, res or 1024
+    with torch.device(device):
+        model = lumina_models.NextDiT_2B_GQA_patch2_Adaln_Refiner().to(torch.bfloat16).requires_grad_(False)
+    network = lora_lumina.create_network(1.0, lora_rank, lora_rank, None, [nn.Module()], model)
+    network.apply_to([], model, apply_text_encoder=False, apply_unet=True)
+    network.to(device).requires_grad_(True)
+    model._bench_network = [network]  # kohya keeps the network outside the model
+    x = torch.randn(batch, 16, res // 8, res // 8, device=device, dtype=torch.bfloat16)
+    t = torch.rand(batch, device=device)
+    captions = torch.randn(batch, 256, 2304, device=device, dtype=torch.bfloat16)
+    mask = torch.ones(batch, 256, device=device, dtype=torch.bool)
+    return BenchModel(
+        f"sd-scripts NextDiT (Lumina 2) full size, batch {batch}, {res}x{res}, lora_lumina r{lora_rank}",
+        model,
+        list(network.parameters()),
+        lambda: model(x, t, captions, mask),
+        torch.randn_like(x),
+        model.enable_gradient_checkpointing,
+        accel_sd_scripts.apply,
+    )
+
+
 MODELS: dict[str, Callable[[str, int, int | None, int | None], BenchModel]] = {
     "tiny": tiny,
     "lumina2": lumina2,
     "flux": flux,
     "sd3": sd3,
+    "sdscripts-lumina2": sdscripts_lumina2,
 }

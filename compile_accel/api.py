@@ -180,3 +180,23 @@ def apply(
         acceleration.on_restore(acceleration.auto_budget.handle.remove)
     model.__dict__[_MARK] = acceleration
     return acceleration
+
+
+def apply_prepared(
+    model: nn.Module,
+    config: CompileConfig | None,
+    blocks: Sequence[str | nn.ModuleList] | None,
+    prepare: Callable[[nn.Module], Callable[[], None]] | None,
+) -> Acceleration:
+    """`apply` after an integration's rewrite of the model: `prepare(model)` returns its undo,
+    which `restore()` runs, or which runs at once if `apply` raises."""
+    undo = prepare(model) if prepare else None
+    try:
+        acceleration = apply(model, config, blocks)
+    except Exception:
+        if undo:
+            undo()
+        raise
+    if undo:
+        acceleration.on_restore(undo)
+    return acceleration

@@ -1,4 +1,4 @@
-"""`compile-accel doctor` and `compile-accel bench`."""
+"""`compile-accel doctor`, `compile-accel bench` and `compile-accel sd-scripts`."""
 
 from __future__ import annotations
 
@@ -119,6 +119,12 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_sd_scripts(args: argparse.Namespace) -> int:
+    from .integrations import sd_scripts
+
+    return sd_scripts.launch(args, "compile-accel sd-scripts")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="compile-accel", description="torch.compile for diffusion-transformer LoRA training"
@@ -136,9 +142,17 @@ def main(argv: list[str] | None = None) -> int:
     from .benchmarks.runner import add_settings_arguments
 
     add_settings_arguments(b)
+    from .integrations import sd_scripts
+
+    s = sub.add_parser(
+        "sd-scripts",
+        help="run a kohya sd-scripts training script with compile_accel",
+        description=sd_scripts.DESCRIPTION,
+    )
+    sd_scripts.add_launcher_arguments(s)
     args = parser.parse_args(argv)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    return {"doctor": doctor, "bench": bench}[args.command](args)
+    return {"doctor": doctor, "bench": bench, "sd-scripts": run_sd_scripts}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ everything done here. Other diffusers models work with `compile_accel.apply` dir
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,8 +23,9 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-import compile_accel
 from compile_accel import Acceleration, CompileConfig
+from compile_accel.api import apply_prepared
+from compile_accel.patching import ModuleFunctionPatch
 from compile_accel.regions import restore_forward
 from compile_accel.rotary import real_table, rotate_interleaved
 
@@ -36,27 +36,6 @@ Undo = Callable[[], None]
 class Adapter:
     blocks: tuple[str, ...]
     prepare: Callable[[nn.Module], Undo] | None = None
-
-
-class _ModuleFunctionPatch:
-    """Replace a function in a module's namespace while any model needs it (reference counted)."""
-
-    def __init__(self, module_name: str, name: str, make: Callable[[Callable], Callable]) -> None:
-        self.module_name, self.name, self.make = module_name, name, make
-        self.original: Callable | None = None
-        self.users = 0
-
-    def install(self) -> None:
-        module = sys.modules[self.module_name]
-        if self.users == 0:
-            self.original = getattr(module, self.name)
-            setattr(module, self.name, self.make(self.original))
-        self.users += 1
-
-    def uninstall(self) -> None:
-        self.users -= 1
-        if self.users == 0:
-            setattr(sys.modules[self.module_name], self.name, self.original)
 
 
 def _real_or_complex_rotary(head_axis: int) -> Callable[[Callable], Callable]:
@@ -78,7 +57,7 @@ def _complex_to_real(value: Any) -> Any:
     return real_table(value) if isinstance(value, torch.Tensor) and value.is_complex() else value
 
 
-def _real_rope(embedder_name: str, rotary: _ModuleFunctionPatch) -> Callable[[nn.Module], Undo]:
+def _real_rope(embedder_name: str, rotary: ModuleFunctionPatch) -> Callable[[nn.Module], Undo]:
     """Adapter step for models that multiply q and k by complex factors inside every block:
     the model's rotary embedder hands the blocks the factors' real view instead, and the
     model's rotary function rotates in real arithmetic (compile_accel.rotary)."""
@@ -104,10 +83,10 @@ def _real_rope(embedder_name: str, rotary: _ModuleFunctionPatch) -> Callable[[nn
 
 # Lumina 2 rotates (batch, tokens, heads, head_dim) with factors (batch, tokens, pairs);
 # Qwen-Image rotates (batch, tokens, heads, head_dim) with factors (tokens, pairs).
-_LUMINA2_ROTARY = _ModuleFunctionPatch(
+_LUMINA2_ROTARY = ModuleFunctionPatch(
     "diffusers.models.transformers.transformer_lumina2", "apply_rotary_emb", _real_or_complex_rotary(head_axis=2)
 )
-_QWEN_ROTARY = _ModuleFunctionPatch(
+_QWEN_ROTARY = ModuleFunctionPatch(
     "diffusers.models.transformers.transformer_qwenimage", "apply_rotary_emb_qwen", _real_or_complex_rotary(head_axis=1)
 )
 
@@ -130,13 +109,4 @@ def apply(model: nn.Module, config: CompileConfig | None = None) -> Acceleration
             f"no diffusers adapter for {type(model).__name__} (adapters: {sorted(ADAPTERS)}); "
             "compile_accel.apply(model, config) finds the blocks of other diffusers models"
         )
-    undo = adapter.prepare(model) if adapter.prepare else None
-    try:
-        acceleration = compile_accel.apply(model, config, blocks=list(adapter.blocks))
-    except Exception:
-        if undo:
-            undo()
-        raise
-    if undo:
-        acceleration.on_restore(undo)
-    return acceleration
+    return apply_prepared(model, config, list(adapter.blocks), adapter.prepare)

@@ -201,7 +201,9 @@ def test_int8_streaming_halves_bytes_and_keeps_lora_exact() -> None:
     reference = Stack(n=4).to(torch.bfloat16)
     model = copy_of(reference).to(torch.bfloat16)
     lora = [p.detach().clone() for p in trainable(model)]
-    plain = LayerOffloadConductor(offload_fraction=1.0, device="cpu").attach(copy_of(reference).to(torch.bfloat16).blocks)
+    plain = LayerOffloadConductor(offload_fraction=1.0, device="cpu").attach(
+        copy_of(reference).to(torch.bfloat16).blocks
+    )
     int8 = LayerOffloadConductor(offload_fraction=1.0, device="cpu", offload_dtype="int8").attach(model.blocks)
     assert int8.stats()["host_bytes"] < 0.6 * plain.stats()["host_bytes"]
     x, cond = (t.to(torch.bfloat16) for t in stack_inputs())

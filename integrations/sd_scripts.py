@@ -1,0 +1,375 @@
+"""kohya sd-scripts: run any of its training scripts with compile_accel, the checkout unchanged.
+
+    compile-accel sd-scripts [--sd-scripts DIR] lumina_train_network.py ARGS...
+    python -m compile_accel.integrations.sd_scripts [--sd-scripts DIR] lumina_train_network.py ARGS...
+    accelerate launch -m compile_accel.integrations.sd_scripts [--sd-scripts DIR] lumina_train_network.py ARGS...
+
+The script runs as `__main__` (runpy) after three functions are wrapped in memory:
+
+- `library.train_util.add_training_arguments`, which every training script calls to build its
+  parser: the compile flags are added there (so `--help` lists them), and that parser's
+  `parse_known_args` checks them, also when `--config_file` re-parses with the file's values.
+- `accelerate.Accelerator.prepare`, which every trainer calls on the DiT/U-Net after LoRA's
+  `apply_to` and `enable_gradient_checkpointing` and before the first step (it is where
+  sd-scripts' own `--torch_compile` compiles): the first sd-scripts model passed to it is
+  accelerated in place before the original prepare runs.
+
+sd-scripts' NextDiT (Lumina 2) multiplies q and k by complex rotary factors in every block;
+its adapter hands the blocks the factors' real view and rotates in real arithmetic
+(compile_accel.rotary), so its blocks compile whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import os
+import runpy
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from compile_accel import Acceleration, CompileConfig
+from compile_accel.api import apply_prepared
+from compile_accel.dynamo_settings import HAS_BUDGET_KNOB
+from compile_accel.patching import ModuleFunctionPatch
+from compile_accel.rotary import real_table, rotate_interleaved
+
+SELECTIVE_ENV = "SDSCRIPTS_SELECTIVE_TORCH_COMPILE"
+Undo = Callable[[], None]
+
+
+class LaunchError(Exception):
+    """The launcher cannot run this script as asked; the message says why."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """Where one sd-scripts model class keeps its blocks (glob patterns over module names)."""
+
+    blocks: tuple[str, ...]
+    prepare: Callable[[nn.Module], Undo] | None = None
+
+
+def _real_or_complex_rope(original: Callable) -> Callable:
+    """Stand-in for lumina_models.apply_rope: a flattened real table (from the wrapped rope
+    embedder) is rotated in real arithmetic, complex factors go to the original."""
+
+    def apply_rope(x_in: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        if freqs_cis.is_complex():
+            return original(x_in, freqs_cis)
+        return rotate_interleaved(x_in, freqs_cis.unflatten(-1, (-1, 2)), head_axis=2)
+
+    return apply_rope
+
+
+_LUMINA_ROPE = ModuleFunctionPatch("library.lumina_models", "apply_rope", _real_or_complex_rope)
+
+
+def _lumina_real_rope(model: nn.Module) -> Undo:
+    """NextDiT's rope embedder (a plain object, not a module) returns (batch, tokens, pairs)
+    complex factors that patchify_and_embed copies into zero tensors of the same last dim; the
+    stand-in returns them as a (batch, tokens, pairs * 2) real table, which copies the same way."""
+    original = model.rope_embedder
+    model.rope_embedder = lambda ids: real_table(original(ids)).flatten(-2)
+    _LUMINA_ROPE.install()
+
+    def undo() -> None:
+        model.rope_embedder = original
+        _LUMINA_ROPE.uninstall()
+
+    return undo
+
+
+# Keyed by class name; only classes defined in sd-scripts' library/ are looked up.
+FAMILIES: dict[str, Family] = {
+    "NextDiT": Family(("context_refiner", "noise_refiner", "layers"), _lumina_real_rope),
+    "Flux": Family(("double_blocks", "single_blocks")),
+    "MMDiT": Family(("joint_blocks",)),
+    "SdxlUNet2DConditionModel": Family(("*.transformer_blocks",)),
+    "UNet2DConditionModel": Family(("*.transformer_blocks",)),
+}
+
+
+def is_sd_scripts_model(module: Any) -> bool:
+    return isinstance(module, nn.Module) and type(module).__module__.startswith("library.")
+
+
+def _block_lists(model: nn.Module, family: Family) -> list[str]:
+    paths = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList) and any(fnmatchcase(name, p) for p in family.blocks)
+    ]
+    if not paths:
+        raise LaunchError(
+            f"unknown sd-scripts layout: {type(model).__name__} has no ModuleList matching {list(family.blocks)}"
+        )
+    return paths
+
+
+def apply(model: nn.Module, config: CompileConfig) -> Acceleration:
+    """compile_accel.apply on an sd-scripts model: its family's block lists (and adapter), or
+    the repeated blocks compile_accel finds for a class without one. Call it after LoRA's
+    apply_to, before the first step; `restore()` undoes the adapter too."""
+    family = FAMILIES.get(type(model).__name__)
+    blocks = _block_lists(model, family) if family else None
+    return apply_prepared(model, config, blocks, family.prepare if family else None)
+
+
+# ---- command-line flags -------------------------------------------------------------------
+
+
+def _budget(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return int(text)
+
+
+_DYNAMIC = {"auto": None, "true": True, "false": False}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the compile_accel flags to an sd-scripts parser."""
+    group = parser.add_argument_group("compile_accel (per-block torch.compile)")
+    try:
+        group.add_argument(
+            "--selective_torch_compile",
+            action="store_true",
+            default=os.environ.get(SELECTIVE_ENV, "0") == "1",
+            help=f"compile the compute modules inside each DiT/U-Net block and keep --gradient_checkpointing "
+            f"(also on with {SELECTIVE_ENV}=1)",
+        )
+        group.add_argument(
+            "--activation_memory_budget",
+            type=_budget,
+            default=None,
+            help="compile each whole block and keep this fraction (0..1) of its activations for backward, "
+            "recomputing the rest; replaces --gradient_checkpointing for those blocks (0: least memory)",
+        )
+        group.add_argument(
+            "--compile_dynamic",
+            choices=sorted(_DYNAMIC),
+            default="auto",
+            help="true: one graph for all aspect-ratio buckets (symbolic shapes); false: one graph per shape; "
+            "auto: static first, dynamic on the first new shape (default)",
+        )
+        group.add_argument(
+            "--compile_recompile_limit",
+            type=_positive_int,
+            default=CompileConfig.recompile_limit,
+            help=f"graphs per block function before dynamo runs new inputs eager "
+            f"(default {CompileConfig.recompile_limit}; raise it for many buckets)",
+        )
+    except argparse.ArgumentError as error:
+        raise LaunchError(
+            f"this sd-scripts already defines {error.argument_name}: it has compile flags of its own that the "
+            "compile_accel launcher would shadow; run the script without the launcher"
+        ) from None
+
+
+def config_from_args(args: argparse.Namespace) -> CompileConfig | None:
+    """The CompileConfig the flags ask for, None for none; LaunchError for combinations that cannot work."""
+    budget, selective = args.activation_memory_budget, args.selective_torch_compile
+    if budget is None and not selective:
+        if args.compile_dynamic != "auto" or args.compile_recompile_limit != CompileConfig.recompile_limit:
+            raise LaunchError(
+                "--compile_dynamic and --compile_recompile_limit need --selective_torch_compile or "
+                "--activation_memory_budget"
+            )
+        return None
+    asked = "--activation_memory_budget" if budget is not None else f"--selective_torch_compile ({SELECTIVE_ENV})"
+    if budget is not None and selective:
+        raise LaunchError(
+            "--selective_torch_compile and --activation_memory_budget are two ways to compile the blocks; "
+            f"choose one (is {SELECTIVE_ENV}=1 set?)"
+        )
+    if getattr(args, "torch_compile", False):
+        raise LaunchError(
+            f"--torch_compile compiles the whole model through accelerate; {asked} compiles its blocks instead. "
+            "Drop --torch_compile"
+        )
+    if getattr(args, "deepspeed", False):
+        raise LaunchError(f"{asked} does not support --deepspeed (its model wrapper hides the blocks)")
+    if budget is not None and not HAS_BUDGET_KNOB:
+        raise LaunchError(f"--activation_memory_budget needs torch >= 2.4 (this is {torch.__version__})")
+    return CompileConfig(
+        mode="blocks" if budget is not None else "selective",
+        activation_memory_budget=budget,
+        dynamic=_DYNAMIC[args.compile_dynamic],
+        recompile_limit=args.compile_recompile_limit,
+    )
+
+
+# ---- the launch ---------------------------------------------------------------------------
+
+
+def _say(message: str) -> None:
+    print(f"compile_accel: {message}", file=sys.stderr, flush=True)
+
+
+def _missing_compiler(device: torch.device) -> str | None:
+    """Why inductor cannot generate code for `device` here, or None."""
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return None if has_triton() else "triton is not installed (pip install triton; triton-windows on Windows)"
+    import torch._inductor.config
+
+    cxx = torch._inductor.config.cpp.cxx[0] or "g++"
+    return None if shutil.which(cxx) else f"no C++ compiler ({cxx}) for inductor's CPU code"
+
+
+class Launch:
+    """One run of a training script: the flags it parsed and the model it accelerated."""
+
+    def __init__(self) -> None:
+        self.args: argparse.Namespace | None = None
+        self.config: CompileConfig | None = None
+        self.acceleration: Acceleration | None = None
+
+    def watch(self, parser: argparse.ArgumentParser) -> None:
+        """Check the flags after every parse of `parser` (the command line, then --config_file's)."""
+        parse_known_args = parser.parse_known_args
+
+        def checked(*args: Any, **kwargs: Any) -> tuple[argparse.Namespace, list[str]]:
+            namespace, rest = parse_known_args(*args, **kwargs)
+            try:
+                self.config = config_from_args(namespace)
+            except LaunchError as error:
+                parser.error(str(error))
+            self.args = namespace
+            return namespace, rest
+
+        parser.parse_known_args = checked
+
+    def accelerate(self, model: nn.Module, device: torch.device) -> None:
+        """Accelerate the run's model, once, if the flags asked for it."""
+        if self.config is None or self.acceleration is not None:
+            return
+        missing = _missing_compiler(device)
+        if missing:
+            if self.config.activation_memory_budget is not None:
+                raise LaunchError(f"--activation_memory_budget needs inductor, which cannot run here: {missing}")
+            _say(f"{missing}; training continues eager")
+            self.config = None
+            return
+        self.acceleration = apply(model, self.config)
+        switched = self.acceleration.stats()["checkpointing_switched_off"]
+        _say(
+            f"{self.config.mode} compile of {type(model).__name__} "
+            f"{[b.path for b in self.acceleration.block_lists]}: {len(self.acceleration.regions)} regions"
+        )
+        if switched:
+            _say(
+                f"--activation_memory_budget {self.config.activation_memory_budget} replaces gradient "
+                f"checkpointing of the compiled blocks (switched off on {len(switched)} modules)"
+            )
+        atexit.register(self.report)
+
+    def report(self) -> None:
+        stats = self.acceleration.stats()
+        keys = ("compiled_regions", "unique_graphs", "recompiles", "graph_breaks", "compile_seconds", "fallbacks")
+        _say(", ".join(f"{k}={stats[k]:.1f}" if k == "compile_seconds" else f"{k}={stats[k]}" for k in keys))
+
+
+def _install_hooks(launch: Launch) -> None:
+    """Wrap add_training_arguments and Accelerator.prepare (see the module docstring)."""
+    try:
+        from library import train_util
+    except ImportError as error:
+        raise LaunchError(f"unknown sd-scripts layout: cannot import library.train_util ({error})") from None
+    if not hasattr(train_util, "add_training_arguments"):
+        raise LaunchError("unknown sd-scripts layout: library/train_util.py has no add_training_arguments")
+    from accelerate import Accelerator
+
+    add_training_arguments = train_util.add_training_arguments
+    prepare = Accelerator.prepare
+
+    def add_training_arguments_and_ours(parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        add_training_arguments(parser, *args, **kwargs)
+        add_arguments(parser)
+        launch.watch(parser)
+
+    def prepare_accelerated(accelerator: Accelerator, *args: Any, **kwargs: Any) -> Any:
+        model = next((a for a in args if is_sd_scripts_model(a)), None)
+        if model is not None:
+            launch.accelerate(model, accelerator.device)
+        return prepare(accelerator, *args, **kwargs)
+
+    train_util.add_training_arguments = add_training_arguments_and_ours
+    Accelerator.prepare = prepare_accelerated
+
+
+def _resolve(script: str, sd_scripts: str | None) -> tuple[Path, Path]:
+    """(script path, checkout directory); LaunchError naming what was looked for."""
+    path = Path(script)
+    if sd_scripts is not None and not path.is_file():
+        path = Path(sd_scripts) / script
+    if not path.is_file():
+        raise LaunchError(f"no training script at {path}")
+    root = Path(sd_scripts) if sd_scripts is not None else path.resolve().parent
+    if not (root / "library" / "train_util.py").is_file():
+        raise LaunchError(
+            f"{root} is not an sd-scripts checkout (looked for library/train_util.py); pass --sd-scripts DIR"
+        )
+    return path.resolve(), root.resolve()
+
+
+def add_launcher_arguments(parser: argparse.ArgumentParser) -> None:
+    """The launcher's own arguments: everything after the script goes to the script."""
+    parser.add_argument("--sd-scripts", metavar="DIR", help="the sd-scripts checkout (default: the script's directory)")
+    parser.add_argument("script", help="an sd-scripts training script, e.g. lumina_train_network.py")
+    parser.add_argument(
+        "args", nargs=argparse.REMAINDER, help="the script's arguments; its --help lists the compile flags"
+    )
+
+
+def run(script: str, args: list[str], sd_scripts: str | None = None) -> None:
+    """Run `script` with `args` as `__main__`, with the compile flags added to its parser."""
+    path, root = _resolve(script, sd_scripts)
+    sys.path.insert(0, str(root))
+    _install_hooks(Launch())
+    sys.argv = [str(path), *args]
+    runpy.run_path(str(path), run_name="__main__")
+
+
+def launch(options: argparse.Namespace, prog: str) -> int:
+    """Run the parsed launcher arguments; exit status 2 with one line for a LaunchError."""
+    try:
+        run(options.script, options.args, options.sd_scripts)
+    except LaunchError as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+DESCRIPTION = "run a kohya sd-scripts training script with per-block torch.compile, the checkout unchanged"
+
+
+def main(argv: list[str] | None = None) -> int:
+    prog = "python -m compile_accel.integrations.sd_scripts"
+    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
+    add_launcher_arguments(parser)
+    return launch(parser.parse_args(argv), prog)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
