@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import build, inputs_for, lora_step
 
 import compile_accel
@@ -70,3 +71,28 @@ def test_dynamic_true_shares_one_graph_across_token_counts() -> None:
         lora_step(model, params, inputs_for(model, res=res))
     assert acceleration.stats()["unique_graphs"] == graphs
     assert acceleration.stats()["recompiles"] == 0
+
+
+def test_attention_inputs_are_made_contiguous_in_the_graph() -> None:
+    """Permuted q/k/v reach scaled_dot_product_attention as contiguous copies (a torch 2.11
+    inductor bug gave wrong gradients for them); the graph computes the same values."""
+    from compile_accel.budget import contiguous_attention_inputs
+
+    captured = []
+
+    def attention(qkv: torch.Tensor) -> torch.Tensor:
+        q, k, v = qkv.unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    def capture(gm: torch.fx.GraphModule, example_inputs: list) -> torch.fx.GraphModule:
+        captured.append(gm)
+        return gm
+
+    qkv = torch.randn(2, 5, 48)
+    torch.compile(attention, backend=capture)(qkv)
+    gm = captured[0]
+    expected = gm(qkv)
+    assert contiguous_attention_inputs(gm) == 1
+    sdpa = next(n for n in gm.graph.nodes if n.target is torch.nn.functional.scaled_dot_product_attention)
+    assert [arg.target for arg in sdpa.args[:3]] == ["contiguous"] * 3
+    torch.testing.assert_close(gm(qkv), expected)
