@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
 
 from . import checkpointing
 from .auto_budget import AutoBudget
@@ -15,7 +16,7 @@ from .blocks import BlockList, resolve_block_lists
 from .config import CompileConfig
 from .regions import CompiledFunction, Region, restore_forward
 from .selective import is_excluded, region_modules
-from .stats import Stats
+from .stats import Stats, warn
 
 _MARK = "_compile_accel"
 
@@ -178,8 +179,28 @@ def apply(
 
         acceleration.auto_budget = AutoBudget(model, set_budget, stats, config.vram_limit_gib)
         acceleration.on_restore(acceleration.auto_budget.handle.remove)
+    acceleration.on_restore(_watch_uncalled_regions(model, regions, stats).remove)
     model.__dict__[_MARK] = acceleration
     return acceleration
+
+
+def _watch_uncalled_regions(model: nn.Module, regions: list[Region], stats: Stats) -> RemovableHandle:
+    """After the model's first forward, regions never called (the model reaches those modules
+    other than through their forward, so they compile nothing) are listed and warned about once."""
+
+    def hook(module: nn.Module, args: tuple, output: Any) -> None:
+        handle.remove()
+        uncalled = [r.name for r in regions if r.calls == 0]
+        if uncalled:
+            stats.uncalled_regions = uncalled
+            warn(
+                f"{len(uncalled)} of {len(regions)} regions were not called in the model's first forward "
+                f"({', '.join(uncalled[:3])}{', ...' if len(uncalled) > 3 else ''}): the model uses them other "
+                "than through forward, so nothing of theirs is compiled. mode='blocks' compiles whole blocks"
+            )
+
+    handle = model.register_forward_hook(hook)
+    return handle
 
 
 def apply_prepared(

@@ -38,6 +38,11 @@ def ensure_thread_settings(recompile_limit: int) -> None:
     # otherwise be specialised per instance: one recompile per block until the limit, then
     # silently eager. With this the int becomes a graph input and all blocks share a graph.
     config.allow_unspec_int_on_nn_module = True
+    # compile_accel compiles blocks, never the DDP module. Dynamo's DDP optimizer (on by default
+    # for any graph compiled inside DDP's forward) would cut each block's graph at gradient-bucket
+    # boundaries: more graphs, and a budget partitioner that sees pieces of a block. DDP's
+    # gradient hooks fire on the compiled backward's parameter gradients as on eager ones.
+    config.optimize_ddp = False
     if not COMPILE_TAKES_RECOMPILE_LIMIT:
         # Older torch has no per-function limit; raise the global one, never lower it.
         # (torch < 2.7 calls it cache_size_limit.)

@@ -42,6 +42,10 @@ block has started (true for plain block loops).
 offload_dtype="int8": streamed frozen weight matrices are stored as per-row symmetric int8
 plus an fp32 scale per row (the host copy is lossy; the bf16 originals are dropped), sent as
 int8 and dequantized on the GPU into the block's slot.
+
+While attached, a streamed block's frozen parameters are views of its slot (when loaded) or of
+host memory (when not); in int8 mode an unloaded one reads as zeros. Trainable parameters are
+never touched, so saving LoRA weights is safe; for the base weights call `detach()` first.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -94,10 +99,10 @@ class _Entry:
     """Where one frozen parameter sits: in the GPU slot, and in the host blob."""
 
     param: nn.Parameter
-    offset: int  # bytes into the slot (and the host blob when not quantized)
+    offset: int  # bytes into the slot
     quantized: bool = False
-    q_offset: int = 0  # bytes into the host blob: int8 values, then fp32 scales
-    scale_offset: int = 0
+    host_offset: int = 0  # bytes into the host blob (the int8 values when quantized)
+    scale_offset: int = 0  # quantized: bytes into the host blob of the fp32 row scales
 
     def nbytes(self) -> int:
         return self.param.numel() * self.param.element_size()
@@ -125,10 +130,10 @@ class _Block:
             offset = _aligned(offset + entry.nbytes())
             if quantize and p.dim() >= 2 and p.is_floating_point():
                 entry.quantized = True
-                entry.q_offset, host = host, _aligned(host + p.numel())
+                entry.host_offset, host = host, _aligned(host + p.numel())
                 entry.scale_offset, host = host, _aligned(host + p.shape[0] * 4)
             else:
-                entry.q_offset, host = host, _aligned(host + entry.nbytes())
+                entry.host_offset, host = host, _aligned(host + entry.nbytes())
             self.entries.append(entry)
         self.nbytes = offset  # slot bytes
         self.host_nbytes = host
@@ -139,8 +144,10 @@ class _Block:
         self.device_views: list[torch.Tensor] = []
         self.host_views: list[torch.Tensor] = []
         self.loaded: torch.cuda.Event | None = None  # copy into the slot, not yet waited for
-        self.offloaded: list[tuple[torch.Tensor, torch.Tensor]] = []  # (activation, its host copy)
-        self.activation_buffers: dict[int, torch.Tensor] = {}  # host memory per input position, reused
+        # Offloaded inputs: (weak reference to the tensor, its host buffer). Weak, so a forward
+        # that never gets its backward leaves nothing alive here.
+        self.offloaded: list[tuple[weakref.ref, torch.Tensor]] = []
+        self.free_buffers: list[torch.Tensor] = []  # host buffers for inputs, reused across steps
         self.activations_back: torch.cuda.Event | None = None
 
     def bind(self, views: list[torch.Tensor]) -> None:
@@ -206,11 +213,12 @@ class LayerOffloadConductor:
         self._staging: list[torch.Tensor] = []  # int8 mode: where the host blob lands before dequantizing
         self._occupant: list[_Block | None] = []
         self._hooks: list[RemovableHandle] = []
-        self._original_devices: dict[int, torch.device] = {}
+        self._original_devices: dict[int, torch.device] = {}  # parameters' and buffers' at attach
         self._stream = torch.cuda.Stream(device) if self.async_transfers else None
         self._last: int | None = None  # index of the block visited last, and the one before
         self._previous: int | None = None
-        self._last_inputs: list[torch.Tensor] = []  # the last forward-visited block's inputs
+        self._last_in_backward = False
+        self._checkpointed_inputs: list[torch.Tensor] = []  # of the last block visited in forward
         self._warned: set[str] = set()
         self.counters = {
             "loads": 0,
@@ -239,7 +247,7 @@ class LayerOffloadConductor:
                 if id(p) in seen:
                     raise ValueError(f"parameter shared by blocks {seen[id(p)]} and {block.name}; cannot offload it")
                 seen[id(p)] = block.name
-        streamed = round(self.offload_fraction * len(plan))
+        streamed = int(self.offload_fraction * len(plan) + 0.5)
         for k, block in enumerate(plan[:streamed]):
             block.streamed, block.slot = True, k % SLOTS
         start = time.perf_counter()
@@ -247,13 +255,22 @@ class LayerOffloadConductor:
         logger.info("offload: %d of %d blocks to host memory (%.2f GiB)", streamed, len(plan), host_gib)
         self._allocate(plan)  # may raise; nothing has moved yet
 
-        # From here on the model changes.
-        for block in plan:
-            self._original_devices.update({id(p): p.device for p in block.module.parameters()})
-            for tensor in block.others:
-                tensor.data = tensor.data.to(self.device)
-            self._fill(block)
-            block.module.__dict__[_MARK] = self
+        # From here on the model changes; a failure (out of memory while copying) puts it back.
+        originals = {id(t): t.data for block in plan for t in (*block.module.parameters(), *block.module.buffers())}
+        try:
+            for block in plan:
+                self._original_devices.update({id(t): t.device for t in (*block.frozen, *block.others)})
+                for tensor in block.others:
+                    tensor.data = tensor.data.to(self.device)
+                self._fill(block)
+                block.module.__dict__[_MARK] = self
+        except BaseException:
+            for block in plan:
+                for tensor in (*block.module.parameters(), *block.module.buffers()):
+                    tensor.data = originals[id(tensor)]
+                block.module.__dict__.pop(_MARK, None)
+            self._slots, self._staging, self._original_devices = [], [], {}
+            raise
         self.blocks = plan
         self._occupant = [None] * len(self._slots)
         if hooks:
@@ -321,12 +338,12 @@ class LayerOffloadConductor:
             p = entry.param
             if entry.quantized:
                 q, scale = quantize_int8(p.data)
-                _view(block.host, entry.q_offset, q, torch.int8).copy_(q)
+                _view(block.host, entry.host_offset, q, torch.int8).copy_(q)
                 _view(block.host, entry.scale_offset, scale, torch.float32).copy_(scale)
                 # The bf16 original is dropped; while evicted the parameter is an empty placeholder.
                 block.host_views.append(torch.zeros((), dtype=p.dtype).expand(p.shape))
             else:
-                view = _view(block.host, entry.q_offset, p, p.dtype)
+                view = _view(block.host, entry.host_offset, p, p.dtype)
                 view.copy_(p.data)
                 block.host_views.append(view)
         block.bind(block.host_views)
@@ -340,20 +357,20 @@ class LayerOffloadConductor:
         for hook in self._hooks:
             hook.remove()
         for block in self.blocks:
+            self._bring_back(block)
             if block.streamed:
                 self._load(block)
                 self._wait(block)
+                self._occupant[block.slot] = None  # restored below: no later load may evict it
             for entry, view in zip(block.entries, block.device_views, strict=True):
                 entry.param.data = view.to(self._original_devices[id(entry.param)], copy=True)
             for tensor in block.others:
-                if isinstance(tensor, nn.Parameter):
-                    tensor.data = tensor.data.to(self._original_devices[id(tensor)])
-            self._bring_back(block)
+                tensor.data = tensor.data.to(self._original_devices[id(tensor)])
             block.module.__dict__.pop(_MARK, None)
         self.synchronize()
         self.blocks, self._hooks, self._slots, self._staging, self._occupant = [], [], [], [], []
         self._last = self._previous = None
-        self._last_inputs = []
+        self._checkpointed_inputs = []
 
     # ---- per visit ---------------------------------------------------------------------
 
@@ -374,10 +391,10 @@ class LayerOffloadConductor:
         `inputs`: the block's tensor inputs (needed for activation_offload only)."""
         block = self.blocks[index]
         in_backward = torch._C._current_graph_task_id() != -1
-        if self._last == index:  # called again (backward's recompute of the last forward block)
-            self._wait(block)
+        if (self._last, self._last_in_backward) == (index, in_backward):
+            self._wait(block)  # the same visit again (a recompute after the gradient hook's visit)
             return
-        self._previous, self._last = self._last, index
+        self._previous, self._last, self._last_in_backward = self._last, index, in_backward
         if self.activation_offload:
             self._visit_activations(block, inputs, in_backward)
         if block.streamed:
@@ -451,11 +468,11 @@ class LayerOffloadConductor:
         staging[: block.host_nbytes].copy_(block.host, non_blocking=self.pin_memory)
         for entry, view in zip(block.entries, block.device_views, strict=True):
             if entry.quantized:
-                q = _view(staging, entry.q_offset, view, torch.int8)
+                q = _view(staging, entry.host_offset, view, torch.int8)
                 scale = _view(staging, entry.scale_offset, view.shape[:1], torch.float32)
                 dequantize_int8_(view, q, scale)
             else:
-                view.copy_(_view(staging, entry.q_offset, view, view.dtype))
+                view.copy_(_view(staging, entry.host_offset, view, view.dtype))
 
     def _wait(self, block: _Block) -> None:
         if block.loaded is not None:
@@ -468,55 +485,65 @@ class LayerOffloadConductor:
     # ---- activations -------------------------------------------------------------------
 
     def _visit_activations(self, block: _Block, inputs: Sequence[torch.Tensor], in_backward: bool) -> None:
-        """Forward: offload the previous block's inputs that this block does not share. Inputs of
-        the next-to-last block stay: backward needs them first. Backward: this block's inputs
-        must be back before its recompute reads them."""
-        previous_inputs, self._last_inputs = self._last_inputs, [] if in_backward else list(inputs)
+        """Forward: offload the previous block's checkpointed inputs that this block does not
+        share. Those of the next-to-last block stay: backward needs them first. Backward: this
+        block's inputs must be back before its recompute reads them."""
+        previous_inputs, self._checkpointed_inputs = self._checkpointed_inputs, []
         if in_backward:
             self._bring_back(block)
             return
         if self._previous != block.index - 1 or block.index == len(self.blocks) - 1:
+            previous_inputs = []  # not offloaded; and they may hold a dropped forward's graph
+        self._forget_dead(block)
+        if torch.is_grad_enabled():
+            if under_saved_tensor_checkpoint():
+                self._checkpointed_inputs = list(inputs)
+            else:
+                self._warn_once(
+                    "no checkpoint",
+                    "activation_offload moves the inputs of blocks called inside a non-reentrant checkpoint; "
+                    f"block {block.name} is not, so its inputs stay on the GPU (diffusers: "
+                    "model.enable_gradient_checkpointing())",
+                )
+        elif block.module.training and any(t.requires_grad for t in inputs):
+            self._warn_once(
+                "reentrant",
+                "activation_offload needs non-reentrant checkpointing (torch.utils.checkpoint(..., "
+                "use_reentrant=False)); with reentrant checkpointing block inputs stay on the GPU",
+            )
+        if not previous_inputs:
             return
         previous = self.blocks[self._previous]
-        if not torch.is_grad_enabled():
-            if block.module.training and any(t.requires_grad for t in inputs):
-                self._warn_once(
-                    "reentrant",
-                    "activation_offload needs non-reentrant checkpointing (torch.utils.checkpoint(..., "
-                    "use_reentrant=False)); with reentrant checkpointing block inputs stay on the GPU",
-                )
-            return
-        if not under_saved_tensor_checkpoint():
-            self._warn_once(
-                "no checkpoint",
-                f"activation_offload moves the inputs of blocks called inside a non-reentrant checkpoint; "
-                f"block {block.name} is not, so its inputs stay on the GPU (diffusers: "
-                "model.enable_gradient_checkpointing())",
-            )
-            return
         current = {id(t) for t in inputs}
         for tensor in previous_inputs:
+            nbytes = tensor.numel() * tensor.element_size()
             if (
                 id(tensor) in current
                 or not tensor.is_floating_point()
                 or tensor.device != self.device
-                or tensor.numel() * tensor.element_size() < MIN_ACTIVATION_BYTES
+                or nbytes < MIN_ACTIVATION_BYTES
             ):
                 continue
-            host = self._host_activation(previous, len(previous.offloaded), tensor)
-            self._move(tensor, host, to_host=True)
-            previous.offloaded.append((tensor, host))
-            self.counters["activation_bytes_offloaded"] += tensor.numel() * tensor.element_size()
+            buffer = self._take_buffer(previous, nbytes)
+            self._move(tensor, _view(buffer, ALIGN, tensor, tensor.dtype), to_host=True)
+            previous.offloaded.append((weakref.ref(tensor), buffer))
+            self.counters["activation_bytes_offloaded"] += nbytes
 
-    def _host_activation(self, block: _Block, position: int, like: torch.Tensor) -> torch.Tensor:
-        """A host buffer for one input of one block, kept across steps (reallocated if it grows)."""
-        nbytes = like.numel() * like.element_size()
-        buffer = block.activation_buffers.get(position)
-        if buffer is None or buffer.numel() < nbytes + ALIGN:
-            buffer = block.activation_buffers[position] = self._host_empty(_aligned(nbytes) + ALIGN)
-        return _view(buffer, ALIGN, like, like.dtype)
+    def _take_buffer(self, block: _Block, nbytes: int) -> torch.Tensor:
+        """A host buffer of at least `nbytes` (after the ALIGN lead) from the block's free ones."""
+        for i, buffer in enumerate(block.free_buffers):
+            if buffer.numel() >= nbytes + ALIGN:
+                return block.free_buffers.pop(i)
+        return self._host_empty(_aligned(nbytes) + ALIGN)
 
-    def _move(self, tensor: torch.Tensor, target: torch.Tensor, to_host: bool) -> torch.Tensor:
+    def _forget_dead(self, block: _Block) -> None:
+        """Offloaded inputs whose autograd graph is gone (a forward without its backward) give
+        their buffers back."""
+        alive = [(ref, buffer) for ref, buffer in block.offloaded if ref() is not None]
+        block.free_buffers += [buffer for ref, buffer in block.offloaded if ref() is None]
+        block.offloaded = alive
+
+    def _move(self, tensor: torch.Tensor, target: torch.Tensor, to_host: bool) -> None:
         """Copy `tensor`'s data into `target` and point `tensor` at it (on the side stream)."""
         source = tensor.data
         if self._stream is None:
@@ -529,13 +556,17 @@ class LayerOffloadConductor:
                 if to_host:
                     source.record_stream(self._stream)  # freed only once the copy has read it
         tensor.data = target
-        return target
 
     def _bring_back(self, block: _Block, prefetch: bool = False) -> None:
         if not block.offloaded:
             return
-        for tensor, host in block.offloaded:
-            self._move(tensor, torch.empty_like(host, device=self.device), to_host=False)
+        for ref, _ in block.offloaded:
+            tensor = ref()
+            if tensor is not None:
+                self._move(tensor, torch.empty_like(tensor.data, device=self.device), to_host=False)
+        # The buffers are free once the copies out of them are done: the next writes into them
+        # are queued behind those copies on the same stream.
+        block.free_buffers += [buffer for _, buffer in block.offloaded]
         block.offloaded = []
         if self._stream is not None:
             block.activations_back = self._stream.record_event()
@@ -556,7 +587,7 @@ class LayerOffloadConductor:
             "streamed_blocks": len(streamed),
             "slots": len(self._slots),
             "host_bytes": sum(b.host_nbytes for b in streamed),
-            "slot_bytes": sum(s.numel() for s in self._slots),
+            "slot_bytes": sum(s.numel() for s in (*self._slots, *self._staging)),
             "pinned": self.pin_memory,
             "offload_dtype": self.offload_dtype,
             **self.counters,

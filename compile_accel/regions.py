@@ -173,9 +173,9 @@ class Region:
         self.shared = shared
         self.eager = module.forward
         self.owner = _split_method(self.eager)[1]
-        self.tensors = [*module.parameters(), *module.buffers()]
         self.recompile_limit = config.recompile_limit
         self.check_outer_checkpoint = config.activation_memory_budget is not None
+        self.calls = 0
         self.__wrapped__ = self.eager  # inspect.signature(module.forward) still shows the real one
         shared.regions.append(name)
 
@@ -192,9 +192,13 @@ class Region:
         if not inputs:
             return True
         device = inputs[0].device
-        return all(t.device == device for t in self.tensors)
+        # Looked up on every call: FSDP2 and offloaders replace parameters (holding the old ones
+        # here would also keep a full unsharded copy alive).
+        tensors = (*self.module.parameters(), *self.module.buffers())
+        return all(t.device == device for t in tensors)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
         shared = self.shared
         if shared.failure is not None:
             return self.eager(*args, **kwargs)

@@ -18,11 +18,13 @@ def is_excluded(name: str, patterns: list[str]) -> bool:
 
 def compute_children(name: str, block: nn.Module) -> list[tuple[str, nn.Module]]:
     """The direct children of a block that do its compute (attention, feed-forward, norms,
-    modulation); containers are looked into, dropout and identities skipped."""
+    modulation); containers are looked into, dropout and identities skipped. So are children
+    without a forward of their own (sd-scripts' SD3 blocks call methods of such halves, never
+    their forward), whose own children are the regions instead."""
     children = []
     for child_name, child in block.named_children():
         qualified = f"{name}.{child_name}"
-        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)) or type(child).forward is nn.Module.forward:
             children.extend(compute_children(qualified, child))
         elif not isinstance(child, _TRIVIAL):
             children.append((qualified, child))

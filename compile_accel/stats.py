@@ -42,6 +42,7 @@ class Stats:
     fallbacks: list[tuple[str, str]] = field(default_factory=list)
     checkpointing_switched_off: list[str] = field(default_factory=list)
     still_checkpointed: list[str] = field(default_factory=list)
+    uncalled_regions: list[str] = field(default_factory=list)
 
     def record_graph(self, signature: tuple) -> None:
         self.graphs += 1
@@ -75,6 +76,7 @@ class Stats:
             "recompile_limit_hits": self.recompile_limit_hits,
             "checkpointing_switched_off": list(self.checkpointing_switched_off),
             "still_checkpointed": list(self.still_checkpointed),
+            "uncalled_regions": list(self.uncalled_regions),
         }
 
 

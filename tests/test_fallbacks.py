@@ -120,3 +120,61 @@ def test_recompile_limit_applies_in_other_threads() -> None:
     assert stats["recompile_limit_hits"] == 0
     assert stats["unique_graphs"] + stats["recompiles"] == 10  # every instance ran compiled
     assert not [w for w in caught if "recompile_limit" in str(w.message)]
+
+
+class _Half(nn.Module):
+    """Half of a block without a forward: the block calls its methods (sd-scripts' SD3 style)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.lin = nn.LayerNorm(8), nn.Linear(8, 8)
+
+    def pre(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.norm(x))
+
+
+class _Projection(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+    def twice(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * self.lin(x)
+
+
+class _MethodBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.part, self.projection = _Half(), _Projection()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.projection.twice(self.part.pre(x))
+
+
+class _MethodModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_MethodBlock() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_selective_looks_into_forwardless_children_and_warns_about_uncalled_regions() -> None:
+    model = _MethodModel()
+    x = torch.randn(3, 8)
+    expected = model(x)
+    acceleration = compile_accel.apply(model, CompileConfig(mode="selective", backend="aot_eager"))
+    names = [region.name for region in acceleration.regions]
+    assert names == [f"blocks.{i}.{child}" for i in range(2) for child in ("part.norm", "part.lin", "projection")]
+    with pytest.warns(RuntimeWarning, match="2 of 6 regions were not called"):
+        out = model(x)
+    torch.testing.assert_close(out, expected)
+    stats = acceleration.stats()
+    assert stats["uncalled_regions"] == ["blocks.0.projection", "blocks.1.projection"]
+    assert stats["unique_graphs"] == 2  # LayerNorm and Linear: the part's children are compiled

@@ -194,3 +194,23 @@ def test_block_swap_by_weight_exchange_stays_compiled_and_correct() -> None:
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     stats = acceleration.stats()
     assert stats["eager_nonresident_calls"] == 0 and stats["unique_graphs"] == 1 and stats["recompiles"] == 0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_two_device_split_of_compiled_blocks_matches_one_device() -> None:
+    """Double and single blocks split across two GPUs (the split inside the single blocks):
+    LoRA gradients as on one device, one graph per block class per device, no recompiles."""
+    from compile_accel.placement import split_blocks
+
+    model, params, inputs = _on_cuda()
+    reference_loss, reference = _cuda_step(model, params, inputs, autocast=False)
+    acceleration = compile_accel.apply(model, CompileConfig(mode="blocks", activation_memory_budget=0.5))
+    placement = split_blocks(model, ["cuda:0", "cuda:1"], split=[3])
+    assert placement.block_devices["single_blocks.0"] == torch.device("cuda", 0)
+    assert placement.block_devices["single_blocks.1"] == torch.device("cuda", 1)
+    for _ in range(2):
+        loss, grads = _cuda_step(model, params, inputs, autocast=False)
+        assert relative_error(loss, reference_loss) < 1e-4
+        assert all(relative_error(g.to("cuda:0"), r) < 1e-3 for g, r in zip(grads, reference, strict=True))
+    stats = acceleration.stats()
+    assert stats["unique_graphs"] == 3 and stats["recompiles"] == 0  # double@0, single@0, single@1

@@ -308,3 +308,102 @@ def test_pinning_failure_falls_back_to_pageable_with_a_warning(monkeypatch) -> N
         conductor.attach(model.blocks)
     assert conductor.stats()["pinned"] is False
     assert all(not b.host.is_pinned() for b in conductor.blocks if b.streamed)
+
+
+@pytest.mark.parametrize("offload_dtype", [None, "int8"])
+def test_detach_after_every_slot_was_reused(offload_dtype: str | None) -> None:
+    """All blocks streamed, so detach() loads each into a slot another restored block used."""
+    model = Stack(n=4)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    conductor = LayerOffloadConductor(offload_fraction=1.0, device="cpu", offload_dtype=offload_dtype)
+    conductor.attach(model.blocks)
+    step(model, stack_inputs())
+    hosts = {b.host.untyped_storage().data_ptr() for b in conductor.blocks}
+    conductor.detach()
+    for key, value in model.state_dict().items():
+        if offload_dtype is None or value.dim() < 2:
+            assert torch.equal(value, original[key]), key
+        else:  # int8: within half a quantisation step of each row
+            step_size = original[key].abs().amax(dim=1, keepdim=True) / 127
+            assert ((value - original[key]).abs() <= step_size / 2 + 1e-6).all(), key
+    assert not {p.untyped_storage().data_ptr() for p in model.parameters()} & hosts
+
+
+def test_activation_offload_every_step_and_no_leak_from_forwards_without_backward(monkeypatch) -> None:
+    monkeypatch.setattr(offload, "MIN_ACTIVATION_BYTES", 0)
+    model = Stack(n=6)
+    conductor = LayerOffloadConductor(offload_fraction=0.5, device="cpu", activation_offload=True)
+    conductor.attach(model.blocks)
+    allocations = []
+    host_empty = conductor._host_empty
+    monkeypatch.setattr(conductor, "_host_empty", lambda n: allocations.append(n) or host_empty(n))
+    per_step = []
+    for _ in range(2):
+        before = conductor.counters["activation_bytes_offloaded"]
+        step(model, stack_inputs())
+        per_step.append(conductor.counters["activation_bytes_offloaded"] - before)
+    assert per_step[0] == per_step[1] > 0
+    first = len(allocations)
+    for _ in range(3):  # e.g. a skipped step: its graph is dropped without backward
+        model(*stack_inputs()).sum()
+    step(model, stack_inputs())
+    assert len(allocations) == first  # the dropped forwards' buffers were reused
+    assert all(len(b.offloaded) == 0 for b in conductor.blocks)
+
+
+def test_trainer_driven_visits_without_hooks() -> None:
+    """attach(hooks=False): the trainer calls before_layer/after_layer around each block."""
+    reference = Stack(n=4, checkpointing=None)
+    model = copy_of(reference)
+    conductor = LayerOffloadConductor(offload_fraction=0.75, device="cpu").attach(model.blocks, hooks=False)
+    assert not any(block._forward_pre_hooks for block in model.blocks)
+    x, cond = stack_inputs()
+    h = x.detach().requires_grad_(True)
+    for index, block in enumerate(model.blocks):
+        conductor.before_layer(index, (h, cond))
+        h = block(h, cond)
+        conductor.after_layer(index, (h,))
+    h.square().mean().backward()
+    grads = [p.grad for p in trainable(model)]
+    _, expected = step(reference, (x, cond))
+    assert all(torch.equal(g, e) for g, e in zip(grads, expected, strict=True))
+
+
+def test_budgeted_compiled_blocks_stream_without_checkpointing() -> None:
+    """No checkpoint at all: the weights autograd saved are reloaded into their slot before
+    each block's backward; compiled with a budget, no recompiles after the first step."""
+    reference = Stack(n=6, checkpointing=None)
+    model = copy_of(reference)
+    acceleration = compile_accel.apply(
+        model, CompileConfig(mode="blocks", activation_memory_budget=0.5, backend="aot_eager")
+    )
+    LayerOffloadConductor(offload_fraction=0.67, device="cpu").attach(model.blocks)
+    step(model, stack_inputs())
+    for _ in range(2):
+        inputs = stack_inputs()
+        loss, grads = step(model, inputs)
+        expected_loss, expected = step(reference, inputs)
+        torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-7)
+        for g, e in zip(grads, expected, strict=True):
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-7)
+    assert acceleration.stats()["recompiles"] == 0 and acceleration.stats()["unique_graphs"] == 1
+
+
+def test_failure_while_moving_weights_puts_the_model_back(monkeypatch) -> None:
+    model = Stack(n=4)
+    before = _snapshot(model)
+    calls = []
+
+    def failing_quantize(weight):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("CUDA out of memory")
+        return quantize_int8(weight)
+
+    monkeypatch.setattr(offload, "quantize_int8", failing_quantize)
+    conductor = LayerOffloadConductor(offload_fraction=1.0, device="cpu", offload_dtype="int8")
+    with pytest.raises(RuntimeError, match="out of memory"):
+        conductor.attach(model.blocks)
+    assert _snapshot(model) == before
+    monkeypatch.undo()
+    conductor.attach(model.blocks)  # nothing marked as attached

@@ -1,0 +1,121 @@
+"""DDP and FSDP2 around compiled blocks on two CPU processes (gloo): LoRA gradients equal to one
+process on the global batch, one graph per block class; clear errors for a world of one,
+re-sharding, and devices that are not there; the two-device block split's plan."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+import compile_accel
+from compile_accel import CompileConfig
+from compile_accel.distributed import apply_ddp, apply_fsdp
+from compile_accel.placement import balanced_split, split_blocks
+
+WORLD = 2
+TOLERANCE = 1e-5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    grads = []
+    for p in model.parameters():
+        if p.requires_grad:
+            grad = p.grad.full_tensor() if type(p.grad).__name__ == "DTensor" else p.grad
+            grads.append(grad.detach().clone())
+    return grads
+
+
+def _worker(rank: int, port: int, wrapper: str, queue) -> None:
+    from test_offload import Stack
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        torch.manual_seed(0)
+        reference = Stack(n=4, checkpointing=None)
+        model = Stack(n=4, checkpointing=None)
+        model.load_state_dict(reference.state_dict())
+        x, cond = torch.randn(2 * WORLD, 16, 32), torch.randn(2 * WORLD, 1, 32)
+        reference(x, cond).square().mean().backward()
+        acceleration = compile_accel.apply(
+            model, CompileConfig(mode="blocks", activation_memory_budget=0.5, backend="aot_eager")
+        )
+        wrapped = apply_ddp(model) if wrapper == "ddp" else apply_fsdp(model)
+        local = slice(2 * rank, 2 * rank + 2)
+        for _ in range(2):  # the second step must not compile again
+            for p in model.parameters():
+                p.grad = None
+            wrapped(x[local], cond[local]).square().mean().backward()
+        errors = [((g - e).norm() / e.norm()).item() for g, e in zip(_grads(model), _grads(reference), strict=True)]
+        stats = acceleration.stats()
+        second = None
+        if wrapper == "fsdp":
+            try:
+                apply_fsdp(model)
+            except ValueError as error:
+                second = str(error)
+        queue.put((rank, max(errors), stats["unique_graphs"], stats["recompiles"], stats["graph_breaks"], second))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
+def test_compiled_blocks_under_data_parallel_match_one_process(wrapper: str) -> None:
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    mp.start_processes(_worker, args=(_free_port(), wrapper, queue), nprocs=WORLD, start_method="spawn")
+    results = sorted(queue.get() for _ in range(WORLD))
+    for rank, error, graphs, recompiles, breaks, second in results:
+        assert error < TOLERANCE, (rank, error)
+        assert (graphs, recompiles, breaks) == (1, 0, 0)
+        if wrapper == "fsdp":
+            assert "already sharded" in second
+
+
+def test_world_of_one_is_refused() -> None:
+    from test_offload import Stack
+
+    with pytest.raises(RuntimeError, match="initialised"):
+        apply_ddp(Stack(n=2))
+    store = dist.HashStore()
+    dist.init_process_group("gloo", rank=0, world_size=1, store=store)
+    try:
+        for apply in (apply_ddp, apply_fsdp):
+            with pytest.raises(ValueError, match="world size of 1"):
+                apply(Stack(n=2))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_balanced_split_evens_out_bytes() -> None:
+    assert balanced_split([1, 1, 1, 1], 2) == [2]
+    assert balanced_split([4, 1, 1, 1, 1], 2) == [1]  # a heavy first block goes alone
+    assert balanced_split([1] * 9, 3) == [3, 6]
+
+
+def test_split_refuses_missing_devices_and_bad_splits_without_moving_anything() -> None:
+    from test_offload import Stack
+
+    model = Stack(n=4)
+    before = [p.device for p in model.parameters()]
+    visible = torch.cuda.device_count()
+    with pytest.raises(ValueError, match="not visible"):
+        split_blocks(model, ["cpu", f"cuda:{visible}"])
+    with pytest.raises(ValueError, match="increasing block indices"):
+        split_blocks(model, ["cpu", "cpu"], split=[4])
+    with pytest.raises(ValueError, match="two or more devices"):
+        split_blocks(model, ["cpu"])
+    assert [p.device for p in model.parameters()] == before
+    assert not any(block._forward_pre_hooks for block in model.blocks)
