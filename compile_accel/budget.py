@@ -33,8 +33,8 @@ def _complex_op(gm: torch.fx.GraphModule) -> str | None:
 
 
 def _signature(gm: torch.fx.GraphModule) -> tuple:
-    """What a graph was compiled for: its frame, input names/shapes/strides/dtypes/requires_grad, grad
-    mode and autocast. A second graph with the same signature is a wasted recompile."""
+    """What a graph was compiled for: its frame, input names/shapes/strides/dtypes/devices/requires_grad,
+    grad mode and autocast. A second graph with the same signature is a wasted recompile."""
     compile_id = torch._guards.CompileContext.current_compile_id()
     inputs = []
     for node in gm.graph.nodes:
@@ -42,7 +42,16 @@ def _signature(gm: torch.fx.GraphModule) -> tuple:
             continue
         value = node.meta.get("example_value")
         if isinstance(value, torch.Tensor):
-            inputs.append((node.name, str(tuple(value.shape)), str(value.stride()), value.dtype, value.requires_grad))
+            inputs.append(
+                (
+                    node.name,
+                    str(tuple(value.shape)),
+                    str(value.stride()),
+                    value.dtype,
+                    value.device,
+                    value.requires_grad,
+                )
+            )
         else:
             inputs.append((node.name, type(value).__name__))
     autocast = tuple(torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None for d in ("cuda", "cpu"))
