@@ -402,6 +402,14 @@ def test_flux_and_sd3_lora_gradients_match_eager(sd_scripts: Path, name: str, gr
     assert stats["unique_graphs"] == graphs
 
 
+def test_sd3_selective_compiles_the_children_of_its_block_halves(sd_scripts: Path) -> None:
+    """SD3's joint blocks call methods of their two halves (no forward of their own), so the
+    regions are the halves' children; every region is called and compiled."""
+    model, network = _with_lora("sd3")
+    stats = _assert_parity(model, network, CompileConfig(mode="selective"), MODELS["sd3"][1])
+    assert stats["unique_graphs"] > 0 and stats["uncalled_regions"] == []
+
+
 def test_lora_state_dict_and_saved_file_keys_are_unchanged(sd_scripts: Path, tmp_path: Path) -> None:
     from safetensors import safe_open
 
