@@ -36,12 +36,15 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from compile_accel import CompileConfig, LayerOffloadConductor
+from compile_accel.compile_cache import load_compile_cache, save_compile_cache
 from compile_accel.memory import SavedActivationMeter
+
 from .models import MODELS, BenchModel
 
 DEFAULT_MODES = ["eager+ckpt", "selective+ckpt", "blocks+budget=0.5", "blocks+budget=1.0"]
@@ -127,6 +130,13 @@ class BenchSettings:
     batch: int | None = None
     res: int | None = None
     vram_limit_gib: float | None = None
+    compile_cache: str | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, device: str) -> BenchSettings:
+        """From the parsed `add_settings_arguments` flags, for `device`."""
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.name != "device"}
+        return cls(device=device, **values)
 
     def flags(self) -> list[str]:
         flags = []
@@ -151,6 +161,12 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--res", type=int, help="image resolution in pixels (default: the model's)")
     parser.add_argument(
         "--vram-limit-gib", type=float, help="memory limit for the blocks+auto mode (default: free GPU memory)"
+    )
+    parser.add_argument(
+        "--compile-cache",
+        metavar="DIR",
+        help="load each mode's PyTorch cache artifacts from DIR before its first step (when there) and save "
+        "them after; a second run with an empty inductor cache then measures a warm start elsewhere",
     )
 
 
@@ -250,6 +266,8 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
         if device == "cuda":
             torch.cuda.empty_cache()
     optimizer = torch.optim.AdamW(bench.lora_params, lr=1e-4)
+    cache_file = Path(settings.compile_cache, f"{settings.model}-{spec.name}.bin") if settings.compile_cache else None
+    cache_loaded = load_compile_cache(cache_file) if cache_file else None
 
     def step() -> float:
         with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
@@ -285,6 +303,8 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
         optimizer.zero_grad(set_to_none=True)
         peak, kind, reserved = meter.bytes, "activation bytes saved for backward", None
     stats = acceleration.stats()
+    if cache_file is not None:
+        stats["compile_cache"] = {"loaded": cache_loaded, "saved_bytes": save_compile_cache(cache_file)}
     if conductor is not None:
         per_step = {k: (v - counters_before[k]) / settings.steps for k, v in conductor.counters.items()}
         stats["offload"] = {
@@ -428,9 +448,7 @@ def main(argv: list[str] | None = None) -> None:
     add_settings_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # auto budget's table, to stderr
-    settings = BenchSettings(
-        args.model, args.device, args.steps, args.warmup, args.lora_rank, args.batch, args.res, args.vram_limit_gib
-    )
+    settings = BenchSettings.from_args(args, args.device)
     result = run_mode(parse_mode(args.mode), settings)
     print(json.dumps(asdict(result)), flush=True)
 

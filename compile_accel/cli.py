@@ -96,9 +96,7 @@ def bench(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"compile-accel bench: {error}", file=sys.stderr)
         return 2
-    settings = runner.BenchSettings(
-        args.model, device, args.steps, args.warmup, args.lora_rank, args.batch, args.res, args.vram_limit_gib
-    )
+    settings = runner.BenchSettings.from_args(args, device)
     report = runner.run_ab(modes, settings, progress=lambda line: print(line, file=sys.stderr, flush=True))
     env, first = report["environment"], report["results"][0]
     print(
