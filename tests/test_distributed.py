@@ -119,3 +119,16 @@ def test_split_refuses_missing_devices_and_bad_splits_without_moving_anything() 
         split_blocks(model, ["cpu"])
     assert [p.device for p in model.parameters()] == before
     assert not any(block._forward_pre_hooks for block in model.blocks)
+
+
+def test_split_places_blocks_and_kohya_lora_and_undo_removes_the_hooks() -> None:
+    from conftest import build, inputs_for
+
+    model, params = build("kohya", None)
+    x = inputs_for(model)
+    expected = model(*x)
+    placement = split_blocks(model, ["cpu", "cpu"])  # the plumbing; devices are checked on 2 GPUs
+    assert len(placement.block_devices) == 4 and len(placement.delegates) == 12  # every LoRA module
+    torch.testing.assert_close(model(*x), expected)
+    placement.undo()
+    assert not any(b._forward_pre_hooks or b._forward_hooks for b in [*model.double_blocks, *model.single_blocks])
