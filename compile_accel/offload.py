@@ -5,8 +5,8 @@ run; the last `1 - offload_fraction` of the blocks stay on the GPU. Only frozen 
 move: trainable ones (LoRA) and buffers stay on the GPU, so gradients and optimizer state
 never travel.
 
-How it composes with compiled blocks: the conductor works in forward pre-hooks on the block
-modules, which run in `nn.Module.__call__` before the (compiled) forward, so dynamo never sees
+How it composes with compiled blocks: the conductor works in forward hooks on the block
+modules, which run in `nn.Module.__call__` around the (compiled) forward, so dynamo never sees
 it: no graph break, `fullgraph=True` possible. A streamed block's parameters are rebound
 (`param.data = view`) to fixed views of its slot: same device, dtype, shape, stride and a
 non-zero storage offset on every load, and the same offsets for every block of a class, so
