@@ -166,6 +166,37 @@ def sd3(device: str, lora_rank: int, batch: int | None, res: int | None) -> Benc
     return _diffusers_bench(description, model, params, inputs)
 
 
+# diffusers' defaults are Wan 2.1 14B (40 layers, hidden 5120); tests swap in a small config.
+WAN_CONFIG: dict = {}
+WAN_LATENT_FRAMES = 21  # 81 video frames through Wan's 4x temporal VAE
+
+
+def wan(device: str, lora_rank: int, batch: int | None, res: int | None) -> BenchModel:
+    """diffusers' WanTransformer3DModel at its default (Wan 2.1 14B text-to-video) size, random
+    bf16 weights, peft LoRA on the attention projections (fp32), 512 text tokens, 81 frames of
+    res x res video (21 latent frames)."""
+    from diffusers import WanTransformer3DModel
+
+    batch, res = batch or 1, res or 480
+    with torch.device(device):
+        model = WanTransformer3DModel(**WAN_CONFIG).to(torch.bfloat16)
+    params = _peft_lora(model, ATTENTION_PROJECTIONS, lora_rank)
+    config = model.config
+    inputs = dict(
+        hidden_states=torch.randn(
+            batch, config.in_channels, WAN_LATENT_FRAMES, res // 8, res // 8, device=device, dtype=torch.bfloat16
+        ),
+        timestep=torch.rand(batch, device=device) * 1000,
+        encoder_hidden_states=torch.randn(batch, 512, config.text_dim, device=device, dtype=torch.bfloat16),
+    )
+    description = (
+        f"diffusers WanTransformer3DModel ({config.num_layers} layers, hidden "
+        f"{config.num_attention_heads * config.attention_head_dim}), batch {batch}, {WAN_LATENT_FRAMES} latent "
+        f"frames of {res}x{res}, peft LoRA r{lora_rank}"
+    )
+    return _diffusers_bench(description, model, params, inputs)
+
+
 def sdscripts_lumina2(device: str, lora_rank: int, batch: int | None, res: int | None) -> BenchModel:
     """kohya sd-scripts' NextDiT at full size (NextDiT_2B_GQA_patch2_Adaln_Refiner), random bf16
     weights, sd-scripts' own LoRA (networks/lora_lumina.py, fp32 weights, which need the runner's
@@ -208,5 +239,6 @@ MODELS: dict[str, Callable[[str, int, int | None, int | None], BenchModel]] = {
     "lumina2": lumina2,
     "flux": flux,
     "sd3": sd3,
+    "wan": wan,
     "sdscripts-lumina2": sdscripts_lumina2,
 }

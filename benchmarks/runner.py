@@ -151,8 +151,9 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         choices=sorted(MODELS),
         default="tiny",
-        help="tiny: the embedded DiT; lumina2, flux, sd3: diffusers Lumina 2 / Flux-dev / SD3-medium at full "
-        "size (random weights, needs diffusers and peft)",
+        help="tiny: the embedded DiT; lumina2, flux, sd3, wan: diffusers Lumina 2 / Flux-dev / SD3-medium / Wan 2.1 "
+        "14B at full size (random weights, needs diffusers and peft); sdscripts-lumina2: sd-scripts' own NextDiT "
+        "(needs SD_SCRIPTS_DIR)",
     )
     parser.add_argument("--steps", type=int, default=8, help="timed steps per mode (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="steps after the first (compile) step before timing")

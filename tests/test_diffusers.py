@@ -241,3 +241,32 @@ def test_sd3_and_wan_blocks_compile() -> None:
 def test_model_without_adapter_is_refused() -> None:
     with pytest.raises(ValueError, match="no diffusers adapter for Linear"):
         accel_diffusers.apply(torch.nn.Linear(2, 2), CompileConfig(mode="blocks"))
+
+
+def test_wan_bench_builder_trains_a_lora_step(monkeypatch) -> None:
+    """`compile-accel bench --model wan` at a small config: video latents, text, a LoRA gradient."""
+    from compile_accel.benchmarks import models
+
+    monkeypatch.setattr(
+        models,
+        "WAN_CONFIG",
+        dict(
+            num_attention_heads=2,
+            attention_head_dim=16,
+            text_dim=32,
+            freq_dim=32,
+            ffn_dim=64,
+            num_layers=2,
+            rope_max_seq_len=32,
+        ),
+    )
+    monkeypatch.setattr(models, "WAN_LATENT_FRAMES", 3)
+    bench = models.wan("cpu", lora_rank=4, batch=1, res=64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = bench.predict()
+    assert out.shape == bench.target.shape == (1, 16, 3, 8, 8)
+    (out.float() - bench.target.float()).square().mean().backward()
+    assert len(bench.lora_params) == 2 * 2 * 2 * 4  # A and B, 4 projections, 2 attentions, 2 layers
+    assert all(p.grad is not None for p in bench.lora_params)
+    # LoRA's B starts at zero, so only B has a gradient at the first step: half of them.
+    assert sum(bool(p.grad.abs().sum() > 0) for p in bench.lora_params) == len(bench.lora_params) // 2
