@@ -34,6 +34,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -304,6 +305,7 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
         optimizer.zero_grad(set_to_none=True)
         peak, kind, reserved = meter.bytes, "activation bytes saved for backward", None
     stats = acceleration.stats()
+    stats["fxgraph_cache_hits"] = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
     if cache_file is not None:
         stats["compile_cache"] = {"loaded": cache_loaded, "saved_bytes": save_compile_cache(cache_file)}
     if conductor is not None:
@@ -359,8 +361,22 @@ def environment() -> dict[str, Any]:
     return env
 
 
-def run_ab(modes: list[str], settings: BenchSettings, progress: Callable[[str], None] = print) -> dict[str, Any]:
-    """Each mode in a child process; returns {'environment', 'command', 'settings', 'results'}."""
+def _run_child(mode: str, settings: BenchSettings, env: dict[str, str]) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "compile_accel.benchmarks.runner", "--mode", mode, *settings.flags()]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"mode {mode} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_ab(
+    modes: list[str], settings: BenchSettings, progress: Callable[[str], None] = print, warm: bool = False
+) -> dict[str, Any]:
+    """Each mode in a child process; returns {'environment', 'command', 'settings', 'results'}.
+
+    warm: each mode compiles into an inductor cache of its own, empty (a cold start), then a
+    second child with that cache runs one step: its first step is the warm start.
+    """
     for mode in modes:
         parse_mode(mode)  # refuse a bad mode before spending minutes on the good ones
     results = []
@@ -370,15 +386,18 @@ def run_ab(modes: list[str], settings: BenchSettings, progress: Callable[[str], 
             f"{settings.warmup} + {settings.steps} steps on {settings.device} ..."
         )
         start = time.perf_counter()
-        cmd = [sys.executable, "-m", "compile_accel.benchmarks.runner", "--mode", mode, *settings.flags()]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
-        if proc.returncode != 0:
-            raise RuntimeError(f"mode {mode} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        with tempfile.TemporaryDirectory(prefix="compile_accel_bench_") as cache:
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache} if warm else os.environ.copy()
+            result = _run_child(mode, settings, env)
+            if warm:
+                again = _run_child(mode, dataclasses.replace(settings, steps=1, warmup=0), env)
+                result["warm_first_step_s"] = again["first_step_s"]
+                result["warm_fxgraph_cache_hits"] = again["stats"]["fxgraph_cache_hits"]
         results.append(result)
+        warm_note = f", warm first step {result['warm_first_step_s']:.1f} s" if warm else ""
         progress(
             f"[{i}/{len(modes)}] {mode}: {result['step_s_median'] * 1e3:.1f} ms/step "
-            f"(first step {result['first_step_s']:.1f} s; {time.perf_counter() - start:.0f} s in all)"
+            f"(first step {result['first_step_s']:.1f} s{warm_note}; {time.perf_counter() - start:.0f} s in all)"
         )
     return {
         "environment": environment(),
@@ -397,9 +416,9 @@ def markdown_table(report: dict[str, Any], baseline: str = "eager+ckpt") -> str:
     base = next((r for r in results if r["mode"] == baseline), None)
     kind = results[0]["peak_kind"] if results else ""
     lines = [
-        f"| mode | median s/step | min s/step | vs {baseline} | peak ({kind}) | reserved | first step s | MFU "
-        "| graphs | recompiles | graph breaks | fallbacks |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| mode | median s/step | min s/step | vs {baseline} | peak ({kind}) | reserved | first step s "
+        "| warm first step s | MFU | graphs | recompiles | graph breaks | fallbacks |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         speedup = f"{base['step_s_median'] / r['step_s_median']:.2f}x" if base else "-"
@@ -407,6 +426,7 @@ def markdown_table(report: dict[str, Any], baseline: str = "eager+ckpt") -> str:
         lines.append(
             f"| {r['mode']} | {r['step_s_median']:.4f} | {r['step_s_min']:.4f} | {speedup} | {_format_bytes(r['peak_bytes'])} "
             f"| {_format_bytes(r['reserved_bytes'])} | {r['first_step_s']:.1f} "
+            f"| {'-' if r.get('warm_first_step_s') is None else format(r['warm_first_step_s'], '.1f')} "
             f"| {'-' if r.get('mfu') is None else format(r['mfu'], '.1%')} | {s.get('unique_graphs', 0)} "
             f"| {s.get('recompiles', 0)} | {s.get('graph_breaks', 0)} | {len(s.get('fallbacks', []))} |"
         )

@@ -97,7 +97,9 @@ def bench(args: argparse.Namespace) -> int:
         print(f"compile-accel bench: {error}", file=sys.stderr)
         return 2
     settings = runner.BenchSettings.from_args(args, device)
-    report = runner.run_ab(modes, settings, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    report = runner.run_ab(
+        modes, settings, progress=lambda line: print(line, file=sys.stderr, flush=True), warm=args.warm
+    )
     env, first = report["environment"], report["results"][0]
     print(
         f"\n{first['description']}; {device} ({env['device_name']}), torch {env['torch']}; "
@@ -137,6 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     b.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if present, else cpu")
     b.add_argument("--out", help="directory for bench.json and bench.md")
+    b.add_argument(
+        "--warm",
+        action="store_true",
+        help="start each mode from an empty inductor cache of its own (cold), then time one more first step "
+        "from that cache (the warm-start column)",
+    )
     from .benchmarks.runner import add_settings_arguments
 
     add_settings_arguments(b)

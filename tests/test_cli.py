@@ -41,6 +41,17 @@ def test_bench_runs_each_mode_and_writes_json(tmp_path) -> None:
     assert report["environment"]["torch"]
 
 
+def test_bench_warm_column_comes_from_a_cache_the_cold_run_filled(tmp_path) -> None:
+    proc = _cli(
+        "bench", "--modes", "blocks+budget=1.0", "--steps", "1", "--warmup", "0", "--warm", "--out", str(tmp_path)
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((tmp_path / "bench.json").read_text())["results"][0]
+    assert result["stats"]["fxgraph_cache_hits"] == 0  # cold: an empty cache of its own
+    assert result["warm_fxgraph_cache_hits"] > 0 and result["warm_first_step_s"] > 0
+    assert "warm first step s" in proc.stdout
+
+
 def test_bench_refuses_an_unknown_mode_before_running() -> None:
     proc = _cli("bench", "--modes", "eager+ckpt,turbo")
     assert proc.returncode == 2
