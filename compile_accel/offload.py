@@ -62,7 +62,7 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from .blocks import find_block_lists
+from .blocks import resolve_block_lists
 from .checkpointing import under_saved_tensor_checkpoint
 from .stats import warn
 
@@ -625,10 +625,7 @@ def _named_blocks(blocks: nn.Module | Sequence[nn.Module]) -> list[tuple[str, nn
     if isinstance(blocks, nn.ModuleList):
         return [(str(i), b) for i, b in enumerate(blocks)]
     if isinstance(blocks, nn.Module):
-        lists = find_block_lists(blocks)
-        if not lists:
-            raise ValueError(f"{type(blocks).__name__} has no repeated blocks; pass the blocks to attach()")
-        return [named for block_list in lists for named in block_list.named_blocks()]
+        return [named for block_list in resolve_block_lists(blocks, None) for named in block_list.named_blocks()]
     named: list[tuple[str, nn.Module]] = []
     for i, item in enumerate(blocks):
         if isinstance(item, nn.ModuleList):
