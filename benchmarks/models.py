@@ -28,11 +28,15 @@ class BenchModel:
     description: str
     model: nn.Module
     lora_params: list[nn.Parameter]
-    predict: Callable[[], torch.Tensor]
+    forward: Callable[[nn.Module], torch.Tensor]  # the model's inputs, given to `model` or its DDP wrapper
     target: torch.Tensor
     enable_checkpointing: Callable[[], None]
     accelerate: Callable[[nn.Module, CompileConfig], Acceleration] = compile_accel.apply
     exclude: list[str] = field(default_factory=list)
+    wrapper: nn.Module | None = None  # DistributedDataParallel around `model`, when the mode asks for it
+
+    def predict(self) -> torch.Tensor:
+        return self.forward(self.model if self.wrapper is None else self.wrapper)
 
 
 def tiny(device: str, lora_rank: int, batch: int | None, res: int | None) -> BenchModel:
@@ -50,7 +54,7 @@ def tiny(device: str, lora_rank: int, batch: int | None, res: int | None) -> Ben
         f"{shape['res']}x{shape['res']} latents, batch {shape['batch']}), kohya-style LoRA r{lora_rank}",
         model,
         list(network.parameters()),
-        lambda: model(*inputs),
+        lambda module: module(*inputs),
         torch.randn_like(inputs[0]),
         model.enable_gradient_checkpointing,
         exclude=COMPILE_EXCLUDE,
@@ -81,7 +85,7 @@ def _diffusers_bench(description: str, model: nn.Module, params: list[nn.Paramet
         description,
         model,
         params,
-        lambda: model(**inputs, return_dict=False)[0],
+        lambda module: module(**inputs, return_dict=False)[0],
         torch.randn_like(inputs["hidden_states"]),
         model.enable_gradient_checkpointing,
         accel_diffusers.apply,
@@ -227,7 +231,7 @@ def sdscripts_lumina2(device: str, lora_rank: int, batch: int | None, res: int |
         f"sd-scripts NextDiT (Lumina 2) full size, batch {batch}, {res}x{res}, lora_lumina r{lora_rank}",
         model,
         list(network.parameters()),
-        lambda: model(x, t, captions, mask),
+        lambda module: module(x, t, captions, mask),
         torch.randn_like(x),
         model.enable_gradient_checkpointing,
         accel_sd_scripts.apply,

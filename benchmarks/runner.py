@@ -12,6 +12,11 @@ each child prints last. Modes:
     blocks+budget=B    whole blocks compiled with activation memory budget B, no checkpointing
     blocks+auto        the budget chosen by calibration on the first step (--vram-limit-gib)
 
+A mode can end in `+ddp=N` (N data-parallel processes, one per GPU, through torchrun and
+compile_accel.distributed.apply_ddp; the same batch on each, reported as samples/s) or
+`+split=N` (the blocks placed across N GPUs by compile_accel.placement.split_blocks; the
+peak is the largest of the GPUs'), e.g. `blocks+budget=0.5+ddp=2`.
+
 Any mode can end in `+offload=F` (LayerOffloadConductor streaming the first F of the blocks
 from pinned host memory), optionally followed by `+act` (activation offload) and `+int8`
 (int8 weight streaming), e.g. `blocks+ckpt+offload=0.9+act`. Those rows also report the bytes
@@ -42,7 +47,12 @@ from typing import Any, Callable
 
 import torch
 
+import torch.distributed as dist
+import torch.nn as nn
+
 from compile_accel import CompileConfig, LayerOffloadConductor
+from compile_accel.distributed import apply_ddp
+from compile_accel.placement import split_blocks
 from compile_accel.compile_cache import load_compile_cache, save_compile_cache
 from compile_accel.memory import SavedActivationMeter
 
@@ -65,6 +75,8 @@ class ModeSpec:
     checkpointing: bool
     whole_model: bool = False
     offload: OffloadSpec | None = None
+    ddp: int = 1  # data-parallel processes
+    split: int = 1  # GPUs the blocks are split across
 
 
 def _parse_offload(spec: str, suffix: str) -> OffloadSpec:
@@ -78,13 +90,27 @@ def _parse_offload(spec: str, suffix: str) -> OffloadSpec:
     return OffloadSpec(fraction, "act" in flags, "int8" in flags)
 
 
+def _parse_count(spec: str, value: str) -> int:
+    if not value.isdigit() or int(value) < 2:
+        raise ValueError(f"mode {spec!r}: +ddp=N and +split=N need a whole number N >= 2")
+    return int(value)
+
+
 def parse_mode(spec: str) -> ModeSpec:
     """'blocks+budget=0.5' -> blocks mode, budget 0.5, no checkpointing; ValueError if unknown."""
-    base, _, offload = spec.partition("+offload=")
+    rest, counts = spec, {}
+    for key in ("ddp", "split"):
+        rest, found, value = rest.partition(f"+{key}=")
+        if found:
+            counts[key] = _parse_count(spec, value)
+    base, _, offload = rest.partition("+offload=")
     mode = _parse_compile_mode(base)
     mode.name = spec
     if offload:
         mode.offload = _parse_offload(spec, offload)
+    if len(counts) > 1 or (counts and mode.offload is not None):
+        raise ValueError(f"mode {spec!r}: +ddp, +split and +offload are separate ways to use GPUs; give one")
+    mode.ddp, mode.split = counts.get("ddp", 1), counts.get("split", 1)
     return mode
 
 
@@ -110,7 +136,7 @@ def _parse_compile_mode(spec: str) -> ModeSpec:
         return ModeSpec(spec, config, False)
     raise ValueError(
         f"unknown mode {spec!r}; modes: eager, eager+ckpt, whole+ckpt, selective+ckpt, blocks+ckpt, blocks+budget=B, "
-        "blocks+auto, each optionally followed by +offload=F[+act][+int8]"
+        "blocks+auto, each optionally followed by +offload=F[+act][+int8], +ddp=N or +split=N"
     )
 
 
@@ -190,6 +216,9 @@ class StepResult:
     step_flops: int | None = None
     matmul_tflops: float | None = None
     mfu: float | None = None
+    samples_per_s: float | None = None
+    processes: int = 1
+    devices: int = 1
 
 
 def matmul_tflops(device: str, n: int = 8192, repeats: int = 20) -> float:
@@ -239,6 +268,29 @@ def transfer_only_seconds(conductor: LayerOffloadConductor, repeats: int = 3) ->
     return statistics.median(times)
 
 
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _wrap_ddp(bench: BenchModel, device: str) -> None:
+    """DDP around the model. LoRA parameters that live outside it (a kohya-style network) are
+    registered on it first, so that DDP averages their gradients too."""
+    inside = {id(p) for p in bench.model.parameters()}
+    outside = [p for p in bench.lora_params if id(p) not in inside]
+    if outside:
+        bench.model.register_module("bench_lora_parameters", nn.ParameterList(outside))
+    device_ids = [torch.cuda.current_device()] if device == "cuda" else None
+    bench.wrapper = apply_ddp(bench.model, device_ids=device_ids)
+
+
+def _peak_memory(devices: list[torch.device]) -> tuple[int, int]:
+    """(max allocated, max reserved) of the busiest of `devices` since the last reset."""
+    return (
+        max(torch.cuda.max_memory_allocated(d) for d in devices),
+        max(torch.cuda.max_memory_reserved(d) for d in devices),
+    )
+
+
 def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
     """Build the model with LoRA, apply the mode, and time LoRA training steps."""
     device = settings.device
@@ -257,6 +309,13 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
     acceleration = bench.accelerate(model, config)
     if spec.whole_model:
         model.compile()
+    if spec.ddp > 1:
+        _wrap_ddp(bench, device)
+    gpus = [torch.device("cuda", i) for i in range(spec.split)] if device == "cuda" else []
+    if device == "cuda" and spec.split == 1:
+        gpus = [torch.device("cuda", torch.cuda.current_device())]
+    if spec.split > 1:
+        split_blocks(model, gpus if device == "cuda" else ["cpu"] * spec.split)
     conductor = None
     if spec.offload is not None:
         conductor = LayerOffloadConductor(
@@ -287,8 +346,8 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
     for _ in range(settings.warmup):
         step()
     _sync(device)
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+    for gpu in gpus:
+        torch.cuda.reset_peak_memory_stats(gpu)
     counters_before = dict(conductor.counters) if conductor is not None else {}
     times = []
     for _ in range(settings.steps):
@@ -298,7 +357,7 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
         _sync(device)
         times.append(time.perf_counter() - start)
     if device == "cuda":
-        peak, kind, reserved = torch.cuda.max_memory_allocated(), "cuda max allocated", torch.cuda.max_memory_reserved()
+        (peak, reserved), kind = _peak_memory(gpus), "cuda max allocated"
     else:
         with SavedActivationMeter([*model.parameters(), *bench.lora_params]) as meter:
             bench.predict().float().square().mean().backward()
@@ -306,7 +365,7 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
         peak, kind, reserved = meter.bytes, "activation bytes saved for backward", None
     stats = acceleration.stats()
     stats["fxgraph_cache_hits"] = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
-    if cache_file is not None:
+    if cache_file is not None and _rank() == 0:
         stats["compile_cache"] = {"loaded": cache_loaded, "saved_bytes": save_compile_cache(cache_file)}
     if conductor is not None:
         per_step = {k: (v - counters_before[k]) / settings.steps for k, v in conductor.counters.items()}
@@ -325,7 +384,7 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
             unique_graphs=counters["stats"]["unique_graphs"], graph_breaks=sum(counters["graph_break"].values())
         )
     median = statistics.median(times)
-    rate = matmul_tflops(device) if device == "cuda" else None
+    rate = matmul_tflops(device) * spec.split if device == "cuda" else None  # the rate of every GPU the step uses
     return StepResult(
         spec.name,
         settings.model,
@@ -343,6 +402,9 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
         flops,
         rate,
         flops / median / (rate * 1e12) if flops else None,
+        bench.target.shape[0] * spec.ddp / median,
+        spec.ddp,
+        spec.ddp * spec.split,
     )
 
 
@@ -362,7 +424,9 @@ def environment() -> dict[str, Any]:
 
 
 def _run_child(mode: str, settings: BenchSettings, env: dict[str, str]) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "compile_accel.benchmarks.runner", "--mode", mode, *settings.flags()]
+    processes = parse_mode(mode).ddp
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"] if processes > 1 else []
+    cmd = [sys.executable, *launcher, "-m", "compile_accel.benchmarks.runner", "--mode", mode, *settings.flags()]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"mode {mode} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -430,8 +494,8 @@ def markdown_table(report: dict[str, Any], baseline: str = "eager+ckpt") -> str:
             f"| {'-' if r.get('mfu') is None else format(r['mfu'], '.1%')} | {s.get('unique_graphs', 0)} "
             f"| {s.get('recompiles', 0)} | {s.get('graph_breaks', 0)} | {len(s.get('fallbacks', []))} |"
         )
-    offload = offload_table(report)
-    return "\n".join(lines) + (f"\n\n{offload}" if offload else "")
+    extra = [table for table in (offload_table(report), parallel_table(report)) if table]
+    return "\n\n".join(["\n".join(lines), *extra])
 
 
 def offload_table(report: dict[str, Any]) -> str:
@@ -461,6 +525,25 @@ def offload_table(report: dict[str, Any]) -> str:
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
+def parallel_table(report: dict[str, Any]) -> str:
+    """Rows with +ddp or +split: throughput against the same mode on one device (when it ran)."""
+    by_mode = {r["mode"]: r for r in report["results"]}
+    lines = [
+        "| mode | processes | devices | samples/s | vs one device | median s/step | peak of the busiest device |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in report["results"]:
+        if r.get("devices", 1) == 1:
+            continue
+        single = by_mode.get(r["mode"].split("+ddp=")[0].split("+split=")[0])
+        ratio = f"{r['samples_per_s'] / single['samples_per_s']:.2f}x" if single else "-"
+        lines.append(
+            f"| {r['mode']} | {r['processes']} | {r['devices']} | {r['samples_per_s']:.2f} | {ratio} "
+            f"| {r['step_s_median']:.4f} | {_format_bytes(r['peak_bytes'])} |"
+        )
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def main(argv: list[str] | None = None) -> None:
     """Child-process entry: run one mode, print its result as one JSON line."""
     parser = argparse.ArgumentParser(description=__doc__)
@@ -470,8 +553,21 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # auto budget's table, to stderr
     settings = BenchSettings.from_args(args, args.device)
-    result = run_mode(parse_mode(args.mode), settings)
-    print(json.dumps(asdict(result)), flush=True)
+    spec = parse_mode(args.mode)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != spec.ddp:
+        parser.error(f"mode {args.mode} needs {spec.ddp} processes, this is one of {world} (run it through `bench`)")
+    if world > 1:
+        if args.device == "cuda":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    try:
+        result = run_mode(spec, settings)
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps(asdict(result)), flush=True)
 
 
 if __name__ == "__main__":

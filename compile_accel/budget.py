@@ -16,6 +16,7 @@ import torch._functorch.config
 import torch.fx
 import torch.utils._pytree as pytree
 
+from .attention import additive_masks_before_expand, contiguous_attention_inputs
 from .config import CompileConfig
 from .stats import Stats
 
@@ -67,27 +68,6 @@ def _has_checkpoint(gm: torch.fx.GraphModule) -> bool:
     )
 
 
-def contiguous_attention_inputs(gm: torch.fx.GraphModule) -> int:
-    """Give every scaled_dot_product_attention call contiguous q, k and v; returns how many calls.
-
-    Seen on an H200 with torch 2.11 (inductor, bf16 autocast): Flux-style blocks whose q/k/v are
-    permuted views of one projection got NaN or wrong LoRA gradients from the compiled graph,
-    while eager, aot_eager, fp32, and the same block with attention written out were right.
-    """
-    calls = [
-        node
-        for node in gm.graph.nodes
-        if node.op == "call_function" and node.target is torch.nn.functional.scaled_dot_product_attention
-    ]
-    for node in calls:
-        with gm.graph.inserting_before(node):
-            inputs = [gm.graph.call_method("contiguous", (arg,)) for arg in node.args[:3]]
-        node.args = (*inputs, *node.args[3:])
-    if calls:
-        gm.recompile()
-    return len(calls)
-
-
 def _inner_backend(config: CompileConfig) -> Callable:
     if config.backend == "inductor" and config.compile_mode is not None:
         return torch._TorchCompileInductorWrapper(config.compile_mode, None, config.dynamic)
@@ -99,7 +79,8 @@ class RegionBackend:
 
     Per graph it: refuses complex-dtype graphs (inductor has no code generation for complex
     ops), notes a checkpoint still inside a budgeted block, counts the graph and whether it
-    is a recompile, makes attention inputs contiguous, and compiles with the budget patched in.
+    is a recompile, rewrites its attention calls (compile_accel.attention), and compiles with the
+    budget patched in.
     """
 
     def __init__(self, config: CompileConfig, budget: float | None, stats: Stats) -> None:
@@ -119,6 +100,7 @@ class RegionBackend:
         if self.budget is not None and _has_checkpoint(gm):
             self.saw_checkpoint = True
         self.stats.record_graph(_signature(gm))
+        additive_masks_before_expand(gm)  # reads example values that the next rewrite's nodes lack
         contiguous_attention_inputs(gm)
         budget = (
             torch._functorch.config.patch(activation_memory_budget=self.budget)

@@ -92,3 +92,28 @@ def test_pareto_front_keeps_only_undominated_settings() -> None:
     # (GiB, s/step): eager+ckpt is beaten on both by the 0.1 budget; 1.0 is fastest, 0.1 smallest.
     points = [(10.8, 0.62), (8.8, 0.37), (8.9, 0.33), (14.7, 0.30), (24.7, 0.26), (15.0, 0.31)]
     assert pareto_front(points) == [1, 2, 3, 4]
+
+
+def test_bench_data_parallel_and_split_rows_train_as_one_process(tmp_path) -> None:
+    """+ddp=2 runs two gloo processes with the same batch, so DDP's averaged gradients equal one
+    process's and the loss after the same steps matches; +split=2 places the blocks on two
+    devices (both the CPU here) without changing the result."""
+    modes = "blocks+budget=1.0,blocks+budget=1.0+ddp=2,blocks+budget=1.0+split=2"
+    proc = _cli("bench", "--modes", modes, "--steps", "2", "--warmup", "1", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    results = {r["mode"]: r for r in json.loads((tmp_path / "bench.json").read_text())["results"]}
+    single, ddp, split = (results[m] for m in modes.split(","))
+    assert (ddp["processes"], ddp["devices"], split["processes"], split["devices"]) == (2, 2, 1, 2)
+    batch = single["samples_per_s"] * single["step_s_median"]
+    assert ddp["samples_per_s"] == pytest.approx(2 * batch / ddp["step_s_median"])
+    for other in (ddp, split):
+        assert other["loss"] == pytest.approx(single["loss"], rel=1e-5)
+        assert other["stats"]["unique_graphs"] == single["stats"]["unique_graphs"]
+        assert other["stats"]["recompiles"] == 0
+    assert "| blocks+budget=1.0+ddp=2 | 2 | 2 |" in proc.stdout
+
+
+@pytest.mark.parametrize("mode", ["blocks+ckpt+ddp=1", "blocks+ckpt+split=x", "blocks+ckpt+offload=0.5+ddp=2"])
+def test_bench_refuses_bad_device_counts(mode: str) -> None:
+    with pytest.raises(ValueError, match=r"\+ddp"):
+        parse_mode(mode)

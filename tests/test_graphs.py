@@ -76,13 +76,13 @@ def test_dynamic_true_shares_one_graph_across_token_counts() -> None:
 def test_attention_inputs_are_made_contiguous_in_the_graph() -> None:
     """Permuted q/k/v reach scaled_dot_product_attention as contiguous copies (a torch 2.11
     inductor bug gave wrong gradients for them); the graph computes the same values."""
-    from compile_accel.budget import contiguous_attention_inputs
+    from compile_accel.attention import contiguous_attention_inputs
 
     captured = []
 
     def attention(qkv: torch.Tensor) -> torch.Tensor:
         q, k, v = qkv.unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, value=v)  # diffusers passes keywords
 
     def capture(gm: torch.fx.GraphModule, example_inputs: list) -> torch.fx.GraphModule:
         captured.append(gm)
@@ -94,5 +94,45 @@ def test_attention_inputs_are_made_contiguous_in_the_graph() -> None:
     expected = gm(qkv)
     assert contiguous_attention_inputs(gm) == 1
     sdpa = next(n for n in gm.graph.nodes if n.target is torch.nn.functional.scaled_dot_product_attention)
-    assert [arg.target for arg in sdpa.args[:3]] == ["contiguous"] * 3
+    assert [arg.target for arg in (*sdpa.args[:2], sdpa.kwargs["value"])] == ["contiguous"] * 3
     torch.testing.assert_close(gm(qkv), expected)
+
+
+def test_expanded_boolean_mask_becomes_an_additive_mask_made_before_the_expand() -> None:
+    """sd-scripts' Lumina 2 expands a key-padding mask to (batch, heads, queries, keys) before
+    attention; the rewrite builds the additive mask at (batch, 1, 1, keys) and expands that, with
+    the same output and gradients. A mask that is not expanded is left to SDPA."""
+    from compile_accel.attention import additive_masks_before_expand
+
+    captured = []
+
+    def capture(gm: torch.fx.GraphModule, example_inputs: list) -> torch.fx.GraphModule:
+        captured.append(gm)
+        return gm
+
+    def expanded(q, k, v, keep):
+        b, h, n, _ = q.shape
+        mask = keep.view(b, 1, 1, n).expand(-1, h, n, -1)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def broadcast(q, k, v, keep):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :])
+
+    q, k, v = (torch.randn(2, 3, 6, 8, requires_grad=True) for _ in range(3))
+    keep = torch.rand(2, 6) > 0.4
+    keep[:, 0] = True  # every query sees a key
+    for fn in (expanded, broadcast):
+        torch.compile(fn, backend=capture)(q, k, v, keep)
+    gm, untouched = captured
+    assert additive_masks_before_expand(untouched) == 0
+    assert additive_masks_before_expand(gm) == 1
+    sdpa = next(n for n in gm.graph.nodes if n.target is torch.nn.functional.scaled_dot_product_attention)
+    mask = sdpa.kwargs["attn_mask"]
+    assert mask.target == "expand" and mask.args[0].target == "masked_fill"
+    expected = expanded(q, k, v, keep)
+    expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
+    by_name = {"q": q, "k": k, "v": v, "keep": keep}
+    (out,) = gm(*(by_name[n.name.removeprefix("l_").rstrip("_")] for n in gm.graph.nodes if n.op == "placeholder"))
+    torch.testing.assert_close(out, expected)
+    for grad, want in zip(torch.autograd.grad(out.square().sum(), (q, k, v)), expected_grads):
+        torch.testing.assert_close(grad, want)
