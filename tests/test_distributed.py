@@ -37,21 +37,27 @@ def _grads(model: nn.Module) -> list[torch.Tensor]:
     return grads
 
 
-def _worker(rank: int, port: int, wrapper: str, queue) -> None:
+MODES = {
+    # mode -> (config, the stack's checkpointing)
+    "blocks": (CompileConfig(mode="blocks", activation_memory_budget=0.5, backend="aot_eager"), None),
+    "selective": (CompileConfig(mode="selective", backend="aot_eager"), "non-reentrant"),
+}
+
+
+def _worker(rank: int, port: int, wrapper: str, mode: str, queue) -> None:
     from test_offload import Stack
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
+        config, checkpointing = MODES[mode]
         torch.manual_seed(0)
-        reference = Stack(n=4, checkpointing=None)
-        model = Stack(n=4, checkpointing=None)
+        reference = Stack(n=4, checkpointing=checkpointing)
+        model = Stack(n=4, checkpointing=checkpointing)
         model.load_state_dict(reference.state_dict())
         x, cond = torch.randn(2 * WORLD, 16, 32), torch.randn(2 * WORLD, 1, 32)
         reference(x, cond).square().mean().backward()
-        acceleration = compile_accel.apply(
-            model, CompileConfig(mode="blocks", activation_memory_budget=0.5, backend="aot_eager")
-        )
+        acceleration = compile_accel.apply(model, config)
         wrapped = apply_ddp(model) if wrapper == "ddp" else apply_fsdp(model)
         local = slice(2 * rank, 2 * rank + 2)
         for _ in range(2):  # the second step must not compile again
@@ -66,20 +72,25 @@ def _worker(rank: int, port: int, wrapper: str, queue) -> None:
                 apply_fsdp(model)
             except ValueError as error:
                 second = str(error)
-        queue.put((rank, max(errors), stats["unique_graphs"], stats["recompiles"], stats["graph_breaks"], second))
+        alone = Stack(n=4, checkpointing=checkpointing)  # the same config in this process, no wrapper
+        alone.load_state_dict(reference.state_dict())
+        alone_acceleration = compile_accel.apply(alone, config)
+        alone(x[local], cond[local]).square().mean().backward()
+        graphs = (stats["unique_graphs"], alone_acceleration.stats()["unique_graphs"])
+        queue.put((rank, max(errors), graphs, stats["recompiles"], stats["graph_breaks"], second))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
-def test_compiled_blocks_under_data_parallel_match_one_process(wrapper: str) -> None:
+@pytest.mark.parametrize("wrapper, mode", [("ddp", "blocks"), ("ddp", "selective"), ("fsdp", "blocks")])
+def test_compiled_blocks_under_data_parallel_match_one_process(wrapper: str, mode: str) -> None:
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
-    mp.start_processes(_worker, args=(_free_port(), wrapper, queue), nprocs=WORLD, start_method="spawn")
+    mp.start_processes(_worker, args=(_free_port(), wrapper, mode, queue), nprocs=WORLD, start_method="spawn")
     results = sorted(queue.get() for _ in range(WORLD))
-    for rank, error, graphs, recompiles, breaks, second in results:
+    for rank, error, (graphs, graphs_alone), recompiles, breaks, second in results:
         assert error < TOLERANCE, (rank, error)
-        assert (graphs, recompiles, breaks) == (1, 0, 0)
+        assert (graphs, recompiles, breaks) == (graphs_alone, 0, 0)  # the wrapper adds no graph
         if wrapper == "fsdp":
             assert "already sharded" in second
 
