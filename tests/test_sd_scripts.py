@@ -462,3 +462,66 @@ def test_real_script_help_and_torch_compile_refusal(sd_scripts: Path, script: st
     refused = _launch("--sd-scripts", str(sd_scripts), script, "--selective_torch_compile", "--torch_compile")
     assert refused.returncode == 2
     assert f"{script}: error: --torch_compile compiles the whole model" in refused.stderr
+
+
+@pytest.fixture(scope="module")
+def lumina_workspace(sd_scripts: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    pytest.importorskip("tokenizers")
+    import sd_scripts_small_lumina
+
+    return sd_scripts_small_lumina.make_workspace(tmp_path_factory.mktemp("lumina_e2e"))
+
+
+def _train_lumina(sd_scripts: Path, paths: dict[str, Path], name: str, *flags: str) -> subprocess.CompletedProcess:
+    """lumina_train_network.py, 3 LoRA steps, through the launcher with the small factories."""
+    harness = Path(__file__).with_name("sd_scripts_small_lumina.py")
+    args = [
+        *("--pretrained_model_name_or_path", paths["nextdit"], "--gemma2", paths["gemma2"], "--ae", paths["ae"]),
+        *("--dataset_config", paths["dataset"], "--output_dir", paths["hub"].parent / "out", "--output_name", name),
+        *("--save_model_as", "safetensors", "--network_module", "networks.lora_lumina", "--network_dim", "4"),
+        *("--network_alpha", "4", "--learning_rate", "1e-3", "--optimizer_type", "AdamW", "--lr_scheduler", "constant"),
+        *("--timestep_sampling", "nextdit_shift", "--discrete_flow_shift", "6.0", "--model_prediction_type", "raw"),
+        *("--max_train_steps", "3", "--mixed_precision", "no", "--gradient_checkpointing", "--cache_latents"),
+        *("--cache_text_encoder_outputs", "--seed", "0", "--max_data_loader_n_workers", "0", *flags),
+    ]
+    env = {
+        **os.environ,
+        "HF_HUB_CACHE": str(paths["hub"]),
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join([str(sd_scripts), os.environ.get("PYTHONPATH", "")]),
+    }
+    env.pop(accel.SELECTIVE_ENV, None)
+    command = [sys.executable, str(harness), "--sd-scripts", str(sd_scripts), "lumina_train_network.py"]
+    return subprocess.run(
+        [*command, *map(str, args)], cwd=sd_scripts, capture_output=True, text=True, env=env, timeout=900
+    )
+
+
+def test_lumina_train_network_end_to_end_saves_the_same_lora_keys(
+    sd_scripts: Path, lumina_workspace: dict[str, Path]
+) -> None:
+    """The real training script, unmodified, trains 3 LoRA steps and saves its file with each
+    mode; the file has the keys, shapes and dtypes of a run without compile_accel."""
+    from safetensors import safe_open
+
+    out = lumina_workspace["hub"].parent / "out"
+    runs = {
+        "plain": (),
+        "selective": ("--selective_torch_compile",),
+        "budget": ("--activation_memory_budget", "0.5"),
+    }
+    saved = {}
+    for name, flags in runs.items():
+        proc = _train_lumina(sd_scripts, lumina_workspace, name, *flags)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        summary = [line for line in proc.stderr.splitlines() if line.startswith("compile_accel: compiled_regions=")]
+        if flags:
+            assert len(summary) == 1 and "fallbacks=[]" in summary[0], proc.stderr[-3000:]
+            assert "compiled_regions=0" not in summary[0]
+        else:
+            assert summary == []
+        with safe_open(out / f"{name}.safetensors", "pt") as file:
+            saved[name] = {
+                key: (file.get_slice(key).get_shape(), file.get_slice(key).get_dtype()) for key in file.keys()
+            }
+    assert saved["plain"] and saved["selective"] == saved["plain"] and saved["budget"] == saved["plain"]
