@@ -91,7 +91,7 @@ def _parse_offload(spec: str, suffix: str) -> OffloadSpec:
 
 
 def _parse_count(spec: str, value: str) -> int:
-    if not value.isdigit() or int(value) < 2:
+    if not value.isdecimal() or int(value) < 2:
         raise ValueError(f"mode {spec!r}: +ddp=N and +split=N need a whole number N >= 2")
     return int(value)
 
@@ -140,9 +140,10 @@ def _parse_compile_mode(spec: str) -> ModeSpec:
     )
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
+def _sync(gpus: list[torch.device]) -> None:
+    """Wait for every GPU the step uses (a split step ends work on several)."""
+    for gpu in gpus:
+        torch.cuda.synchronize(gpu)
 
 
 @dataclass
@@ -311,9 +312,9 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
         model.compile()
     if spec.ddp > 1:
         _wrap_ddp(bench, device)
-    gpus = [torch.device("cuda", i) for i in range(spec.split)] if device == "cuda" else []
-    if device == "cuda" and spec.split == 1:
-        gpus = [torch.device("cuda", torch.cuda.current_device())]
+    # The GPUs this process's step runs on: the split's, or the current one.
+    first = torch.cuda.current_device() if device == "cuda" else 0
+    gpus = [torch.device("cuda", first + i) for i in range(spec.split)] if device == "cuda" else []
     if spec.split > 1:
         split_blocks(model, gpus if device == "cuda" else ["cpu"] * spec.split)
     conductor = None
@@ -341,20 +342,20 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
 
     start = time.perf_counter()
     step()
-    _sync(device)
+    _sync(gpus)
     first = time.perf_counter() - start
     for _ in range(settings.warmup):
         step()
-    _sync(device)
+    _sync(gpus)
     for gpu in gpus:
         torch.cuda.reset_peak_memory_stats(gpu)
     counters_before = dict(conductor.counters) if conductor is not None else {}
     times = []
     for _ in range(settings.steps):
-        _sync(device)
+        _sync(gpus)
         start = time.perf_counter()
         loss = step()
-        _sync(device)
+        _sync(gpus)
         times.append(time.perf_counter() - start)
     if device == "cuda":
         (peak, reserved), kind = _peak_memory(gpus), "cuda max allocated"

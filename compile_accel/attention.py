@@ -10,6 +10,15 @@ import torch
 import torch.fx
 
 
+def rewrite_attention(gm: torch.fx.GraphModule) -> None:
+    """Both rewrites below, in the region's graph and in the graphs nested in it (the bodies of
+    higher-order ops such as a checkpoint traced inside the region)."""
+    for module in list(gm.modules()):
+        if isinstance(module, torch.fx.GraphModule):
+            additive_masks_before_expand(module)  # reads example values that the next rewrite's nodes lack
+            contiguous_attention_inputs(module)
+
+
 def _attention_calls(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return [
         node
@@ -74,9 +83,11 @@ def additive_masks_before_expand(gm: torch.fx.GraphModule) -> int:
             for expand in reversed(expands):
                 additive = gm.graph.call_method("expand", (additive, *expand.args[1:]), dict(expand.kwargs))
         _set_argument(node, "attn_mask", additive)
+        for expand in expands:  # outermost first, so each inner one is unused when reached
+            if not expand.users:
+                gm.graph.erase_node(expand)
         rewritten += 1
     if rewritten:
-        gm.graph.eliminate_dead_code()
         gm.recompile()
     return rewritten
 

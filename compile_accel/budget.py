@@ -16,7 +16,7 @@ import torch._functorch.config
 import torch.fx
 import torch.utils._pytree as pytree
 
-from .attention import additive_masks_before_expand, contiguous_attention_inputs
+from .attention import rewrite_attention
 from .config import CompileConfig
 from .stats import Stats
 
@@ -100,8 +100,7 @@ class RegionBackend:
         if self.budget is not None and _has_checkpoint(gm):
             self.saw_checkpoint = True
         self.stats.record_graph(_signature(gm))
-        additive_masks_before_expand(gm)  # reads example values that the next rewrite's nodes lack
-        contiguous_attention_inputs(gm)
+        rewrite_attention(gm)
         budget = (
             torch._functorch.config.patch(activation_memory_budget=self.budget)
             if self.budget is not None

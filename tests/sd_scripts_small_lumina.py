@@ -1,7 +1,7 @@
 """Run sd-scripts' lumina_train_network.py end to end on small random checkpoints.
 
 sd-scripts builds NextDiT and Gemma 2 at their full sizes from code (not from the checkpoint),
-so this module, imported before the script runs, shrinks those two factories; `make_workspace`
+so this module's `shrink_factories`, run before the script, shrinks those two factories; `make_workspace`
 writes checkpoints of the shrunk sizes, Flux's autoencoder at full size, a two-image dataset
 and a word-level tokenizer where sd-scripts looks for google/gemma-2-2b. Image loading uses a
 plain-torch ToTensor + Normalize because torchvision may have no build for the torch here.
@@ -33,8 +33,9 @@ SMALL_GEMMA2 = dict(
 CAPTIONS = ["a red cat", "a blue dog on grass"]
 
 
-def small_nextdit(params: object = None, **kwargs: object) -> torch.nn.Module:
-    return lumina_models.NextDiT(
+def small_nextdit(params: object = None, **overrides: object) -> torch.nn.Module:
+    """sd-scripts' NextDiT at a few thousand parameters per block (same code, small config)."""
+    config = dict(
         patch_size=2,
         in_channels=16,
         dim=64,
@@ -47,8 +48,8 @@ def small_nextdit(params: object = None, **kwargs: object) -> torch.nn.Module:
         axes_lens=[300, 32, 32],
         qk_norm=True,
         cap_feat_dim=SMALL_GEMMA2["hidden_size"],
-        **kwargs,
     )
+    return lumina_models.NextDiT(**{**config, **overrides})
 
 
 def image_to_tensor(image: np.ndarray) -> torch.Tensor:
@@ -56,9 +57,11 @@ def image_to_tensor(image: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).float().div(127.5).sub(1.0)
 
 
-lumina_models.NextDiT_2B_GQA_patch2_Adaln_Refiner = small_nextdit
-lumina_util.Gemma2Config = lambda **config: transformers.Gemma2Config(**{**config, **SMALL_GEMMA2})
-train_util.IMAGE_TRANSFORMS = image_to_tensor
+def shrink_factories() -> None:
+    """Make sd-scripts build the small NextDiT and Gemma 2 and load images without torchvision."""
+    lumina_models.NextDiT_2B_GQA_patch2_Adaln_Refiner = small_nextdit
+    lumina_util.Gemma2Config = lambda **config: transformers.Gemma2Config(**{**config, **SMALL_GEMMA2})
+    train_util.IMAGE_TRANSFORMS = image_to_tensor
 
 
 def _save(module: torch.nn.Module, path: Path) -> None:
@@ -105,4 +108,5 @@ def make_workspace(root: Path) -> dict[str, Path]:
 if __name__ == "__main__":
     from compile_accel.integrations.sd_scripts import main
 
+    shrink_factories()
     sys.exit(main(sys.argv[1:]))

@@ -104,8 +104,6 @@ def test_bench_data_parallel_and_split_rows_train_as_one_process(tmp_path) -> No
     results = {r["mode"]: r for r in json.loads((tmp_path / "bench.json").read_text())["results"]}
     single, ddp, split = (results[m] for m in modes.split(","))
     assert (ddp["processes"], ddp["devices"], split["processes"], split["devices"]) == (2, 2, 1, 2)
-    batch = single["samples_per_s"] * single["step_s_median"]
-    assert ddp["samples_per_s"] == pytest.approx(2 * batch / ddp["step_s_median"])
     for other in (ddp, split):
         assert other["loss"] == pytest.approx(single["loss"], rel=1e-5)
         assert other["stats"]["unique_graphs"] == single["stats"]["unique_graphs"]

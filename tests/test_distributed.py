@@ -91,6 +91,8 @@ def test_compiled_blocks_under_data_parallel_match_one_process(wrapper: str, mod
     for rank, error, (graphs, graphs_alone), recompiles, breaks, second in results:
         assert error < TOLERANCE, (rank, error)
         assert (graphs, recompiles, breaks) == (graphs_alone, 0, 0)  # the wrapper adds no graph
+        if mode == "blocks":
+            assert graphs == 1  # one block class, one graph
         if wrapper == "fsdp":
             assert "already sharded" in second
 

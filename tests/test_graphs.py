@@ -73,6 +73,33 @@ def test_dynamic_true_shares_one_graph_across_token_counts() -> None:
     assert acceleration.stats()["recompiles"] == 0
 
 
+def test_attention_rewrites_reach_a_checkpoint_traced_inside_the_region() -> None:
+    """A checkpoint inside a compiled region becomes a higher-order op with its own body graph;
+    the attention there gets contiguous inputs too."""
+    from compile_accel.attention import rewrite_attention
+
+    captured = []
+
+    def capture(gm: torch.fx.GraphModule, example_inputs: list) -> torch.fx.GraphModule:
+        captured.append(gm)
+        return gm
+
+    def attention(qkv: torch.Tensor) -> torch.Tensor:
+        q, k, v = qkv.unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    def region(qkv: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(attention, qkv, use_reentrant=False)
+
+    torch.compile(region, backend=capture)(torch.randn(2, 5, 48, requires_grad=True))
+    rewrite_attention(captured[0])
+    bodies = [m for m in captured[0].modules() if isinstance(m, torch.fx.GraphModule) and m is not captured[0]]
+    sdpa = [
+        n for body in bodies for n in body.graph.nodes if n.target is torch.nn.functional.scaled_dot_product_attention
+    ]
+    assert len(sdpa) == 1 and [arg.target for arg in sdpa[0].args[:3]] == ["contiguous"] * 3
+
+
 def test_attention_inputs_are_made_contiguous_in_the_graph() -> None:
     """Permuted q/k/v reach scaled_dot_product_attention as contiguous copies (a torch 2.11
     inductor bug gave wrong gradients for them); the graph computes the same values."""
@@ -110,29 +137,33 @@ def test_expanded_boolean_mask_becomes_an_additive_mask_made_before_the_expand()
         captured.append(gm)
         return gm
 
-    def expanded(q, k, v, keep):
+    def expanded(q, k, v, keep, calls):
+        calls.add_(1)  # an in-place op whose result is unused must survive the rewrite
         b, h, n, _ = q.shape
         mask = keep.view(b, 1, 1, n).expand(-1, h, n, -1)
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
-    def broadcast(q, k, v, keep):
+    def broadcast(q, k, v, keep, calls):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :])
 
     q, k, v = (torch.randn(2, 3, 6, 8, requires_grad=True) for _ in range(3))
     keep = torch.rand(2, 6) > 0.4
     keep[:, 0] = True  # every query sees a key
+    calls = torch.zeros(())
     for fn in (expanded, broadcast):
-        torch.compile(fn, backend=capture)(q, k, v, keep)
+        torch.compile(fn, backend=capture)(q, k, v, keep, calls)
     gm, untouched = captured
     assert additive_masks_before_expand(untouched) == 0
     assert additive_masks_before_expand(gm) == 1
     sdpa = next(n for n in gm.graph.nodes if n.target is torch.nn.functional.scaled_dot_product_attention)
     mask = sdpa.kwargs["attn_mask"]
     assert mask.target == "expand" and mask.args[0].target == "masked_fill"
-    expected = expanded(q, k, v, keep)
+    expected = expanded(q, k, v, keep, torch.zeros(()))
     expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
-    by_name = {"q": q, "k": k, "v": v, "keep": keep}
+    calls.zero_()
+    by_name = {"q": q, "k": k, "v": v, "keep": keep, "calls": calls}
     (out,) = gm(*(by_name[n.name.removeprefix("l_").rstrip("_")] for n in gm.graph.nodes if n.op == "placeholder"))
+    assert calls.item() == 1
     torch.testing.assert_close(out, expected)
     for grad, want in zip(torch.autograd.grad(out.square().sum(), (q, k, v)), expected_grads):
         torch.testing.assert_close(grad, want)

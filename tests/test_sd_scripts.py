@@ -235,25 +235,15 @@ def sd_scripts() -> Iterator[Path]:
 
 
 def _lumina(layers: int = 2) -> torch.nn.Module:
-    from library import lumina_models
+    from sd_scripts_small_lumina import small_nextdit
 
-    return lumina_models.NextDiT(
-        dim=64,
-        n_layers=layers,
-        n_refiner_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        multiple_of=16,
-        cap_feat_dim=32,
-        axes_dims=[4, 6, 6],
-        axes_lens=[64, 32, 32],
-    )
+    return small_nextdit(n_layers=layers, n_refiner_layers=2)
 
 
 def _lumina_inputs() -> tuple:
     mask = torch.ones(2, 8, dtype=torch.bool)
     mask[1, 6:] = False  # captions of two lengths
-    return torch.randn(2, 4, 16, 16), torch.rand(2), torch.randn(2, 8, 32), mask
+    return torch.randn(2, 16, 16, 16), torch.rand(2), torch.randn(2, 8, 32), mask
 
 
 def _flux() -> torch.nn.Module:
