@@ -46,15 +46,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-
 import torch.distributed as dist
 import torch.nn as nn
 
 from compile_accel import CompileConfig, LayerOffloadConductor
-from compile_accel.distributed import apply_ddp
-from compile_accel.placement import split_blocks
 from compile_accel.compile_cache import load_compile_cache, save_compile_cache
+from compile_accel.distributed import apply_ddp
 from compile_accel.memory import SavedActivationMeter
+from compile_accel.placement import split_blocks
 
 from .models import MODELS, BenchModel
 
@@ -270,7 +269,8 @@ def transfer_only_seconds(conductor: LayerOffloadConductor, repeats: int = 3) ->
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    """This process's rank under torch.distributed.run (0 when it runs alone)."""
+    return int(os.environ.get("RANK", "0"))
 
 
 def _wrap_ddp(bench: BenchModel, device: str) -> None:
@@ -313,8 +313,8 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
     if spec.ddp > 1:
         _wrap_ddp(bench, device)
     # The GPUs this process's step runs on: the split's, or the current one.
-    first = torch.cuda.current_device() if device == "cuda" else 0
-    gpus = [torch.device("cuda", first + i) for i in range(spec.split)] if device == "cuda" else []
+    current = torch.cuda.current_device() if device == "cuda" else 0
+    gpus = [torch.device("cuda", current + i) for i in range(spec.split)] if device == "cuda" else []
     if spec.split > 1:
         split_blocks(model, gpus if device == "cuda" else ["cpu"] * spec.split)
     conductor = None
@@ -567,7 +567,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if world > 1:
             dist.destroy_process_group()
-    if int(os.environ.get("RANK", "0")) == 0:
+    if _rank() == 0:
         print(json.dumps(asdict(result)), flush=True)
 
 

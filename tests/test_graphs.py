@@ -73,16 +73,22 @@ def test_dynamic_true_shares_one_graph_across_token_counts() -> None:
     assert acceleration.stats()["recompiles"] == 0
 
 
-def test_attention_rewrites_reach_a_checkpoint_traced_inside_the_region() -> None:
-    """A checkpoint inside a compiled region becomes a higher-order op with its own body graph;
-    the attention there gets contiguous inputs too."""
-    from compile_accel.attention import rewrite_attention
-
+def _dynamo_graphs(fn, *args) -> list[torch.fx.GraphModule]:
+    """The graphs dynamo captures from fn(*args), not compiled further."""
     captured = []
 
     def capture(gm: torch.fx.GraphModule, example_inputs: list) -> torch.fx.GraphModule:
         captured.append(gm)
         return gm
+
+    torch.compile(fn, backend=capture)(*args)
+    return captured
+
+
+def test_attention_rewrites_reach_a_checkpoint_traced_inside_the_region() -> None:
+    """A checkpoint inside a compiled region becomes a higher-order op with its own body graph;
+    the attention there gets contiguous inputs too."""
+    from compile_accel.attention import rewrite_attention
 
     def attention(qkv: torch.Tensor) -> torch.Tensor:
         q, k, v = qkv.unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
@@ -91,9 +97,9 @@ def test_attention_rewrites_reach_a_checkpoint_traced_inside_the_region() -> Non
     def region(qkv: torch.Tensor) -> torch.Tensor:
         return torch.utils.checkpoint.checkpoint(attention, qkv, use_reentrant=False)
 
-    torch.compile(region, backend=capture)(torch.randn(2, 5, 48, requires_grad=True))
-    rewrite_attention(captured[0])
-    bodies = [m for m in captured[0].modules() if isinstance(m, torch.fx.GraphModule) and m is not captured[0]]
+    (gm,) = _dynamo_graphs(region, torch.randn(2, 5, 48, requires_grad=True))
+    rewrite_attention(gm)
+    bodies = [m for m in gm.modules() if isinstance(m, torch.fx.GraphModule) and m is not gm]
     sdpa = [
         n for body in bodies for n in body.graph.nodes if n.target is torch.nn.functional.scaled_dot_product_attention
     ]
@@ -105,19 +111,12 @@ def test_attention_inputs_are_made_contiguous_in_the_graph() -> None:
     inductor bug gave wrong gradients for them); the graph computes the same values."""
     from compile_accel.attention import contiguous_attention_inputs
 
-    captured = []
-
     def attention(qkv: torch.Tensor) -> torch.Tensor:
         q, k, v = qkv.unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
         return torch.nn.functional.scaled_dot_product_attention(q, k, value=v)  # diffusers passes keywords
 
-    def capture(gm: torch.fx.GraphModule, example_inputs: list) -> torch.fx.GraphModule:
-        captured.append(gm)
-        return gm
-
     qkv = torch.randn(2, 5, 48)
-    torch.compile(attention, backend=capture)(qkv)
-    gm = captured[0]
+    (gm,) = _dynamo_graphs(attention, qkv)
     expected = gm(qkv)
     assert contiguous_attention_inputs(gm) == 1
     sdpa = next(n for n in gm.graph.nodes if n.target is torch.nn.functional.scaled_dot_product_attention)
@@ -130,12 +129,6 @@ def test_expanded_boolean_mask_becomes_an_additive_mask_made_before_the_expand()
     attention; the rewrite builds the additive mask at (batch, 1, 1, keys) and expands that, with
     the same output and gradients. A mask that is not expanded is left to SDPA."""
     from compile_accel.attention import additive_masks_before_expand
-
-    captured = []
-
-    def capture(gm: torch.fx.GraphModule, example_inputs: list) -> torch.fx.GraphModule:
-        captured.append(gm)
-        return gm
 
     def expanded(q, k, v, keep, calls):
         calls.add_(1)  # an in-place op whose result is unused must survive the rewrite
@@ -150,9 +143,7 @@ def test_expanded_boolean_mask_becomes_an_additive_mask_made_before_the_expand()
     keep = torch.rand(2, 6) > 0.4
     keep[:, 0] = True  # every query sees a key
     calls = torch.zeros(())
-    for fn in (expanded, broadcast):
-        torch.compile(fn, backend=capture)(q, k, v, keep, calls)
-    gm, untouched = captured
+    (gm,), (untouched,) = (_dynamo_graphs(fn, q, k, v, keep, calls) for fn in (expanded, broadcast))
     assert additive_masks_before_expand(untouched) == 0
     assert additive_masks_before_expand(gm) == 1
     sdpa = next(n for n in gm.graph.nodes if n.target is torch.nn.functional.scaled_dot_product_attention)
