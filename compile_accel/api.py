@@ -210,8 +210,9 @@ def apply_prepared(
     prepare: Callable[[nn.Module], Callable[[], None]] | None,
 ) -> Acceleration:
     """`apply` after an integration's rewrite of the model: `prepare(model)` returns its undo,
-    which `restore()` runs, or which runs at once if `apply` raises."""
-    undo = prepare(model) if prepare else None
+    which `restore()` runs, or which runs at once if `apply` raises. Mode "off" leaves the model
+    as it is, rewrite included (the eager baseline of a benchmark)."""
+    undo = prepare(model) if prepare and (config is None or config.mode != "off") else None
     try:
         acceleration = apply(model, config, blocks)
     except Exception:

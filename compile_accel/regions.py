@@ -132,12 +132,18 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def _is_broadcast(value: torch.Tensor) -> bool:
+    return any(stride == 0 and size > 1 for stride, size in zip(value.stride(), value.shape))
+
+
 def _canonical_inputs(args: tuple, kwargs: dict, training: bool) -> tuple[tuple, dict]:
     """Tensor inputs in one layout, so every block of a list shares one graph.
 
     Inputs whose strides are not the plain contiguous ones (Flux's single blocks get slices of
     a concatenated tensor, except the first; a size-1 batch dim of a slice keeps the parent's
-    stride, which dynamo guards too) are copied to that layout. In training, floating inputs
+    stride, which dynamo guards too) are copied to that layout; broadcast views (stride 0 on an
+    axis longer than 1) keep theirs, which says that the values repeat (the sd-scripts adapter
+    marks all-True masks that way). In training, floating inputs
     are made to require grad: the first block of a list is fed by frozen embedders (no grad),
     the others by blocks with LoRA. A tensor that does not require grad has no autograd
     history, so its detached alias loses nothing; the price is the first block's input
@@ -147,8 +153,10 @@ def _canonical_inputs(args: tuple, kwargs: dict, training: bool) -> tuple[tuple,
     def canonical(value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
-        if value.stride() != _contiguous_strides(value.shape) and not value.is_contiguous(
-            memory_format=torch.channels_last
+        if (
+            value.stride() != _contiguous_strides(value.shape)
+            and not value.is_contiguous(memory_format=torch.channels_last)
+            and not _is_broadcast(value)
         ):
             value = value.clone(memory_format=torch.contiguous_format)
         if training and value.is_floating_point() and not value.requires_grad:

@@ -16,7 +16,8 @@ The script runs as `__main__` (runpy) after three functions are wrapped in memor
 
 sd-scripts' NextDiT (Lumina 2) multiplies q and k by complex rotary factors in every block;
 its adapter hands the blocks the factors' real view and rotates in real arithmetic
-(compile_accel.rotary), so its blocks compile whole.
+(compile_accel.rotary), so its blocks compile whole. It also marks padding masks that pad
+nothing, so that compiled attention runs without them.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from compile_accel import Acceleration, CompileConfig
 from compile_accel.api import apply_prepared
@@ -88,9 +90,77 @@ def _lumina_real_rope(model: nn.Module) -> Undo:
     return undo
 
 
+def _all_true_view(mask: torch.Tensor) -> torch.Tensor:
+    """An all-True mask of `mask`'s shape with stride 0, which `_sdpa_without_mask_marks` drops."""
+    return torch.ones((), dtype=torch.bool, device=mask.device).expand(mask.shape)
+
+
+def _sdpa_without_mask_marks(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None, **kwargs: Any
+) -> torch.Tensor:
+    """scaled_dot_product_attention without a boolean mask that has stride 0 along the keys.
+
+    Such a mask gives every key of a query row one value: all True is no mask, and all False
+    leaves the row nothing to attend to (nothing computes that on purpose). SDPA with a mask
+    runs the memory-efficient kernel instead of flash/cuDNN, and a stride-0 mask even the math
+    kernel. Compiled, the stride is part of dynamo's guards, so the test costs nothing there.
+    """
+    if attn_mask is not None and attn_mask.dtype == torch.bool and attn_mask.stride(-1) == 0:
+        attn_mask = None
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, **kwargs)
+
+
+def _lumina_masks_only_when_padded(model: nn.Module) -> Undo:
+    """NextDiT hands its blocks padding masks even when nothing is padded: the joint mask is all
+    True at batch 1 and whenever a batch's captions have the same length, the caption mask when
+    no caption is padded, and the noise refiner's mask always (a batch's images have one size).
+    The stand-ins pass those as stride-0 all-True views, and attention drops them; diffusers'
+    Lumina 2 skips the mask in the same cases. A padded batch keeps its masks."""
+    original = model.patchify_and_embed
+
+    def patchify_and_embed(x: torch.Tensor, cap_feats: torch.Tensor, cap_mask: torch.Tensor, t: torch.Tensor) -> tuple:
+        if bool(cap_mask.all()):  # a host sync, as patchify_and_embed's own .tolist() of the lengths
+            cap_mask = _all_true_view(cap_mask)
+        x, mask, freqs_cis, cap_lengths, seq_lengths = original(x, cap_feats, cap_mask, t)
+        if len(set(seq_lengths)) == 1:
+            mask = _all_true_view(mask)
+        return x, mask, freqs_cis, cap_lengths, seq_lengths
+
+    def image_mask_marked(block: nn.Module, args: tuple) -> tuple:
+        x, x_mask, *rest = args
+        return (x, _all_true_view(x_mask), *rest)
+
+    model.patchify_and_embed = patchify_and_embed
+    hooks = [block.register_forward_pre_hook(image_mask_marked) for block in model.noise_refiner]
+    attentions = [
+        m for m in model.modules() if getattr(m, "attention_processor", None) is F.scaled_dot_product_attention
+    ]
+    for attention in attentions:  # sage and flash attention users keep theirs
+        attention.attention_processor = _sdpa_without_mask_marks
+
+    def undo() -> None:
+        del model.patchify_and_embed
+        for hook in hooks:
+            hook.remove()
+        for attention in attentions:
+            attention.attention_processor = F.scaled_dot_product_attention
+
+    return undo
+
+
+def _prepare_lumina(model: nn.Module) -> Undo:
+    undos = [_lumina_real_rope(model), _lumina_masks_only_when_padded(model)]
+
+    def undo() -> None:
+        for step in reversed(undos):
+            step()
+
+    return undo
+
+
 # Keyed by class name; only classes defined in sd-scripts' library/ are looked up.
 FAMILIES: dict[str, Family] = {
-    "NextDiT": Family(("context_refiner", "noise_refiner", "layers"), _lumina_real_rope),
+    "NextDiT": Family(("context_refiner", "noise_refiner", "layers"), _prepare_lumina),
     "Flux": Family(("double_blocks", "single_blocks")),
     "MMDiT": Family(("joint_blocks",)),
     "SdxlUNet2DConditionModel": Family(("*.transformer_blocks",)),

@@ -18,7 +18,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from library import flux_models, lumina_models, lumina_util, train_util
+
+# The trainer's modules (train_util, lumina_util) are imported where the end-to-end run needs
+# them: they pull in pipelines that some transformers releases cannot import.
+from library import lumina_models
 
 SMALL_GEMMA2 = dict(
     hidden_size=32,
@@ -59,6 +62,8 @@ def image_to_tensor(image: np.ndarray) -> torch.Tensor:
 
 def shrink_factories() -> None:
     """Make sd-scripts build the small NextDiT and Gemma 2 and load images without torchvision."""
+    from library import lumina_util, train_util
+
     lumina_models.NextDiT_2B_GQA_patch2_Adaln_Refiner = small_nextdit
     lumina_util.Gemma2Config = lambda **config: transformers.Gemma2Config(**{**config, **SMALL_GEMMA2})
     train_util.IMAGE_TRANSFORMS = image_to_tensor
@@ -72,6 +77,7 @@ def _save(module: torch.nn.Module, path: Path) -> None:
 
 def make_workspace(root: Path) -> dict[str, Path]:
     """Random checkpoints, dataset and tokenizer under `root`; returns the paths the script needs."""
+    from library import flux_models
     from PIL import Image
     from tokenizers import Tokenizer, models, pre_tokenizers
 

@@ -85,6 +85,12 @@ def _dynamo_graphs(fn, *args) -> list[torch.fx.GraphModule]:
     return captured
 
 
+def _call_by_name(gm: torch.fx.GraphModule, **tensors: torch.Tensor) -> tuple:
+    """Call a dynamo graph with the tensors named as the captured function's arguments (dynamo
+    orders and names its placeholders itself, e.g. `l_q_`)."""
+    return gm(*(tensors[n.name.removeprefix("l_").rstrip("_")] for n in gm.graph.nodes if n.op == "placeholder"))
+
+
 def test_attention_rewrites_reach_a_checkpoint_traced_inside_the_region() -> None:
     """A checkpoint inside a compiled region becomes a higher-order op with its own body graph;
     the attention there gets contiguous inputs too."""
@@ -152,8 +158,7 @@ def test_expanded_boolean_mask_becomes_an_additive_mask_made_before_the_expand()
     expected = expanded(q, k, v, keep, torch.zeros(()))
     expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
     calls.zero_()
-    by_name = {"q": q, "k": k, "v": v, "keep": keep, "calls": calls}
-    (out,) = gm(*(by_name[n.name.removeprefix("l_").rstrip("_")] for n in gm.graph.nodes if n.op == "placeholder"))
+    (out,) = _call_by_name(gm, q=q, k=k, v=v, keep=keep, calls=calls)
     assert calls.item() == 1
     torch.testing.assert_close(out, expected)
     for grad, want in zip(torch.autograd.grad(out.square().sum(), (q, k, v)), expected_grads):
