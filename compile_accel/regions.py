@@ -136,6 +136,18 @@ def _is_broadcast(value: torch.Tensor) -> bool:
     return any(stride == 0 and size > 1 for stride, size in zip(value.stride(), value.shape))
 
 
+class _NotAView(torch.autograd.Function):
+    """The same tensor (storage, layout, gradient), no longer marked as a view of another."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor) -> torch.Tensor:
+        return value.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
 def _canonical_inputs(args: tuple, kwargs: dict, training: bool) -> tuple[tuple, dict]:
     """Tensor inputs in one layout, so every block of a list shares one graph.
 
@@ -143,11 +155,13 @@ def _canonical_inputs(args: tuple, kwargs: dict, training: bool) -> tuple[tuple,
     a concatenated tensor, except the first; a size-1 batch dim of a slice keeps the parent's
     stride, which dynamo guards too) are copied to that layout; broadcast views (stride 0 on an
     axis longer than 1) keep theirs, which says that the values repeat (the sd-scripts adapter
-    marks all-True masks that way). In training, floating inputs
-    are made to require grad: the first block of a list is fed by frozen embedders (no grad),
-    the others by blocks with LoRA. A tensor that does not require grad has no autograd
-    history, so its detached alias loses nothing; the price is the first block's input
-    gradient, computed and dropped.
+    marks all-True masks that way). Views are passed as plain tensors: dynamo guards a view's
+    base, and once a graph is dynamic that guard raises for a later non-view input, which
+    compiles the same graph again (seen in sd-scripts' Lumina 2 with captions and images of
+    new lengths). In training, floating inputs are made to require grad: the first block of a
+    list is fed by frozen embedders (no grad), the others by blocks with LoRA. A tensor that
+    does not require grad has no autograd history, so its detached alias loses nothing; the
+    price is the first block's input gradient, computed and dropped.
     """
 
     def canonical(value: Any) -> Any:
@@ -159,9 +173,11 @@ def _canonical_inputs(args: tuple, kwargs: dict, training: bool) -> tuple[tuple,
             and not _is_broadcast(value)
         ):
             value = value.clone(memory_format=torch.contiguous_format)
-        if training and value.is_floating_point() and not value.requires_grad:
-            value = value.detach().requires_grad_(True)
-        return value
+        if value.requires_grad:
+            return _NotAView.apply(value) if value._is_view() else value
+        if training and value.is_floating_point():
+            return value.detach().requires_grad_(True)
+        return value.detach()
 
     return tuple(canonical(v) for v in args), {k: canonical(v) for k, v in kwargs.items()}
 
