@@ -212,7 +212,10 @@ def apply_prepared(
     """`apply` after an integration's rewrite of the model: `prepare(model)` returns its undo,
     which `restore()` runs, or which runs at once if `apply` raises. Mode "off" leaves the model
     as it is, rewrite included (the eager baseline of a benchmark)."""
-    undo = prepare(model) if prepare and (config is None or config.mode != "off") else None
+    config = config or CompileConfig()
+    config.validate()
+    _check_model(model)  # before the rewrite: a second apply must not touch the first one's
+    undo = prepare(model) if prepare and config.mode != "off" else None
     try:
         acceleration = apply(model, config, blocks)
     except Exception:

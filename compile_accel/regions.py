@@ -132,8 +132,10 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _is_broadcast(value: torch.Tensor) -> bool:
-    return any(stride == 0 and size > 1 for stride, size in zip(value.stride(), value.shape))
+def _is_broadcast_mask(value: torch.Tensor) -> bool:
+    return value.dtype == torch.bool and any(
+        stride == 0 and size > 1 for stride, size in zip(value.stride(), value.shape)
+    )
 
 
 class _NotAView(torch.autograd.Function):
@@ -148,21 +150,25 @@ class _NotAView(torch.autograd.Function):
         return grad
 
 
-def _canonical_inputs(args: tuple, kwargs: dict, training: bool) -> tuple[tuple, dict]:
-    """Tensor inputs in one layout, so every block of a list shares one graph.
+def _canonical_inputs(args: tuple, kwargs: dict, training: bool) -> tuple[tuple, dict, list[tuple[torch.Tensor, int]]]:
+    """Tensor inputs in one layout, so every block of a list shares one graph; also returns the
+    aliased views (below) with their versions, for the caller to check after the call.
 
     Inputs whose strides are not the plain contiguous ones (Flux's single blocks get slices of
     a concatenated tensor, except the first; a size-1 batch dim of a slice keeps the parent's
-    stride, which dynamo guards too) are copied to that layout; broadcast views (stride 0 on an
-    axis longer than 1) keep theirs, which says that the values repeat (the sd-scripts adapter
-    marks all-True masks that way). Views are passed as plain tensors: dynamo guards a view's
-    base, and once a graph is dynamic that guard raises for a later non-view input, which
-    compiles the same graph again (seen in sd-scripts' Lumina 2 with captions and images of
-    new lengths). In training, floating inputs are made to require grad: the first block of a
-    list is fed by frozen embedders (no grad), the others by blocks with LoRA. A tensor that
-    does not require grad has no autograd history, so its detached alias loses nothing; the
-    price is the first block's input gradient, computed and dropped.
+    stride, which dynamo guards too) are copied to that layout; boolean broadcast views (stride
+    0 on an axis longer than 1) keep theirs, which says that the values repeat (the sd-scripts
+    adapter marks all-True masks that way). Views are passed as plain tensors: dynamo guards a
+    view's base, and once a graph is dynamic that guard raises for a later non-view input,
+    which compiles the same graph again (seen in sd-scripts' Lumina 2 with captions and images
+    of new lengths); autograd would not see an in-place change of such an alias as a change of
+    its base. In training, floating inputs are made to require grad: the first block of a list
+    is fed by frozen embedders (no grad), the others by blocks with LoRA. A tensor that does not
+    require grad has no autograd history, so its detached alias loses nothing; the price is the
+    first block's input gradient, computed and dropped.
     """
+
+    aliased_views = []
 
     def canonical(value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
@@ -170,16 +176,21 @@ def _canonical_inputs(args: tuple, kwargs: dict, training: bool) -> tuple[tuple,
         if (
             value.stride() != _contiguous_strides(value.shape)
             and not value.is_contiguous(memory_format=torch.channels_last)
-            and not _is_broadcast(value)
+            and not _is_broadcast_mask(value)
         ):
             value = value.clone(memory_format=torch.contiguous_format)
         if value.requires_grad:
-            return _NotAView.apply(value) if value._is_view() else value
+            if not value._is_view():
+                return value
+            alias = _NotAView.apply(value)
+            aliased_views.append((alias, alias._version))
+            return alias
         if training and value.is_floating_point():
             return value.detach().requires_grad_(True)
         return value.detach()
 
-    return tuple(canonical(v) for v in args), {k: canonical(v) for k, v in kwargs.items()}
+    args, kwargs = tuple(canonical(v) for v in args), {k: canonical(v) for k, v in kwargs.items()}
+    return args, kwargs, aliased_views
 
 
 def _under_outer_checkpoint(module: nn.Module) -> bool:
@@ -234,7 +245,7 @@ class Region:
             if _under_outer_checkpoint(self.module):
                 shared.note_still_checkpointed([self.name], "called inside torch.utils.checkpoint")
         ensure_thread_settings(self.recompile_limit)
-        args, kwargs = _canonical_inputs(args, kwargs, self.module.training and torch.is_grad_enabled())
+        args, kwargs, aliased_views = _canonical_inputs(args, kwargs, self.module.training and torch.is_grad_enabled())
         stats = shared.stats
         graphs, breaks, start = stats.graphs, graph_break_total(), time.perf_counter()
         try:
@@ -248,6 +259,11 @@ class Region:
         except torch._dynamo.exc.TorchDynamoException as error:
             shared.fail(_failure_reason(error))
             return self.eager(*args, **kwargs)
+        if any(alias._version != version for alias, version in aliased_views):
+            raise RuntimeError(
+                f"compile_accel: {self.name} changed a view input in place; compiled regions get views as plain "
+                "tensors, so its base's gradient would be wrong. Leave the module eager (CompileConfig.exclude)."
+            )
         if stats.graphs != graphs:
             stats.compile_seconds += time.perf_counter() - start
             stats.graph_breaks += graph_break_total() - breaks

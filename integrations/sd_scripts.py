@@ -28,6 +28,7 @@ import os
 import runpy
 import shutil
 import sys
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
@@ -116,21 +117,25 @@ def _lumina_masks_only_when_padded(model: nn.Module) -> Undo:
     no caption is padded, and the noise refiner's mask always (a batch's images have one size).
     The stand-ins pass those as stride-0 all-True views, and attention drops them; diffusers'
     Lumina 2 skips the mask in the same cases. A padded batch keeps its masks."""
-    original = model.patchify_and_embed
 
-    def patchify_and_embed(x: torch.Tensor, cap_feats: torch.Tensor, cap_mask: torch.Tensor, t: torch.Tensor) -> tuple:
+    def patchify_and_embed(
+        self: nn.Module, x: torch.Tensor, cap_feats: torch.Tensor, cap_mask: torch.Tensor, t: torch.Tensor
+    ) -> tuple:
         if bool(cap_mask.all()):  # a host sync, as patchify_and_embed's own .tolist() of the lengths
             cap_mask = _all_true_view(cap_mask)
-        x, mask, freqs_cis, cap_lengths, seq_lengths = original(x, cap_feats, cap_mask, t)
+        x, mask, freqs_cis, cap_lengths, seq_lengths = type(self).patchify_and_embed(self, x, cap_feats, cap_mask, t)
         if len(set(seq_lengths)) == 1:
             mask = _all_true_view(mask)
         return x, mask, freqs_cis, cap_lengths, seq_lengths
 
     def image_mask_marked(block: nn.Module, args: tuple) -> tuple:
+        # All True by construction: patchify_and_embed makes it with torch.ones, since the images
+        # of a batch are one tensor and so have one token count.
         x, x_mask, *rest = args
         return (x, _all_true_view(x_mask), *rest)
 
-    model.patchify_and_embed = patchify_and_embed
+    # A method of the instance (not a closure over it), so that a deepcopy calls its own model.
+    model.patchify_and_embed = types.MethodType(patchify_and_embed, model)
     hooks = [block.register_forward_pre_hook(image_mask_marked) for block in model.noise_refiner]
     attentions = [
         m for m in model.modules() if getattr(m, "attention_processor", None) is F.scaled_dot_product_attention
@@ -139,11 +144,12 @@ def _lumina_masks_only_when_padded(model: nn.Module) -> Undo:
         attention.attention_processor = _sdpa_without_mask_marks
 
     def undo() -> None:
-        del model.patchify_and_embed
+        vars(model).pop("patchify_and_embed", None)
         for hook in hooks:
             hook.remove()
         for attention in attentions:
-            attention.attention_processor = F.scaled_dot_product_attention
+            if attention.attention_processor is _sdpa_without_mask_marks:  # not one set since
+                attention.attention_processor = F.scaled_dot_product_attention
 
     return undo
 

@@ -115,6 +115,17 @@ def test_lumina2_restore_undoes_the_rotary_rewrite() -> None:
     assert torch.equal(_step(model, params, inputs)[0], expected_loss)
 
 
+def test_mode_off_leaves_lumina2_untouched() -> None:
+    """Mode "off" compiles nothing, so the adapter's rewrites stay out too (the eager baseline
+    of a benchmark is the model as diffusers wrote it)."""
+    model, _, _ = _lumina2()
+    before = transformer_lumina2.apply_rotary_emb
+    acceleration = accel_diffusers.apply(model, CompileConfig(mode="off"))
+    assert transformer_lumina2.apply_rotary_emb is before
+    assert "forward" not in model.rope_embedder.__dict__
+    acceleration.restore()
+
+
 def test_bad_config_leaves_lumina2_untouched() -> None:
     model, _, _ = _lumina2()
     before = transformer_lumina2.apply_rotary_emb

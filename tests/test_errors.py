@@ -75,3 +75,31 @@ def test_blocks_given_as_paths_or_modulelists() -> None:
     acceleration = compile_accel.apply(model, CompileConfig(mode="blocks"), blocks=[model.single_blocks])
     assert [bl.path for bl in acceleration.block_lists] == ["single_blocks"]
     assert acceleration.stats()["regions"] == 2
+
+
+def test_in_place_change_of_a_view_input_is_an_error() -> None:
+    """Regions get view inputs as plain tensors (no dynamo guard on the base), which autograd
+    would not connect to an in-place change; such a change is an error, not a wrong gradient."""
+
+    class Doubling(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x.mul_(2))
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([Doubling(), Doubling()])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x[:, :4])
+            return x
+
+    model = Model()
+    compile_accel.apply(model, CompileConfig(mode="blocks", backend="aot_eager"))
+    with pytest.raises(RuntimeError, match="changed a view input in place"):
+        model(torch.randn(2, 6, requires_grad=True) * 1)

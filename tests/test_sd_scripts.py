@@ -536,7 +536,9 @@ def test_lumina_on_cuda_in_fp16_as_close_to_fp32_as_eager(sd_scripts: Path, conf
     for (loss, grads), (eager_loss, eager_grads), (want_loss, want_grads) in zip(compiled, eager, reference):
         assert close_enough(loss, eager_loss, want_loss)
         assert len(grads) == len(want_grads) > 0 and all(map(close_enough, grads, eager_grads, want_grads))
-    assert acceleration.stats()["recompiles"] == 0
+    stats = acceleration.stats()
+    assert stats["compiled_regions"] == stats["regions"] > 0 and stats["fallbacks"] == []
+    assert stats["recompiles"] == 0 and stats["graph_breaks"] == 0
 
 
 @CONFIGS
@@ -645,6 +647,16 @@ def test_lumina_train_network_end_to_end_saves_the_same_lora_keys(
                 key: (file.get_slice(key).get_shape(), file.get_slice(key).get_dtype()) for key in file.keys()
             }
     assert saved["plain"] and saved["selective"] == saved["plain"] and saved["budget"] == saved["plain"]
+
+
+def test_second_apply_is_refused_and_the_first_restores(sd_scripts: Path) -> None:
+    """A refused second apply rewrites nothing, so the first one's restore undoes its adapter."""
+    model, _ = _with_lora("lumina2")
+    acceleration = accel.apply(model, CompileConfig(mode="selective"))
+    with pytest.raises(RuntimeError, match="already called"):
+        accel.apply(model, CompileConfig(mode="selective"))
+    acceleration.restore()
+    assert "patchify_and_embed" not in vars(model) and not model.noise_refiner[0]._forward_pre_hooks
 
 
 def test_attention_drops_only_marked_masks(monkeypatch: pytest.MonkeyPatch) -> None:
