@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from conftest import build, inputs_for, lora_step, relative_error
+from conftest import as_close_as_eager, build, inputs_for, lora_step, relative_error
 
 import compile_accel
 from compile_accel import CompileConfig
@@ -37,12 +37,8 @@ def test_blocks_budget_bf16_lora_gradients_as_close_as_eager(budget: float) -> N
     eager_loss, eager_grads = _cuda_step(model, params, inputs)
     acceleration = compile_accel.apply(model, CompileConfig(mode="blocks", activation_memory_budget=budget))
     loss, grads = _cuda_step(model, params, inputs)
-
-    def close_enough(compiled: torch.Tensor, eager: torch.Tensor, reference: torch.Tensor) -> bool:
-        return relative_error(compiled, reference) <= 2 * relative_error(eager, reference) + 1e-3
-
-    assert close_enough(loss, eager_loss, reference_loss)
-    assert all(map(close_enough, grads, eager_grads, reference_grads))
+    assert as_close_as_eager(loss, eager_loss, reference_loss)
+    assert all(map(as_close_as_eager, grads, eager_grads, reference_grads))
     stats = acceleration.stats()
     assert stats["compiled_regions"] == stats["regions"] and stats["unique_graphs"] == 2
 
