@@ -57,6 +57,8 @@ from compile_accel.placement import split_blocks
 
 from .models import MODELS, BenchModel
 
+logger = logging.getLogger("compile_accel.bench")
+
 DEFAULT_MODES = ["eager+ckpt", "selective+ckpt", "blocks+budget=0.5", "blocks+budget=1.0"]
 
 
@@ -237,15 +239,21 @@ def matmul_tflops(device: str, n: int = 8192, repeats: int = 20) -> float:
     return 2 * n**3 / statistics.median(times) / 1e12
 
 
-def step_flops(bench: BenchModel) -> int:
-    """FLOPs of one LoRA step without recompute: an eager forward and backward, counted."""
+def step_flops(bench: BenchModel) -> int | None:
+    """FLOPs of one LoRA step without recompute: an eager forward and backward, counted. None
+    (no MFU in the table) when such a step does not fit in GPU memory."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    with FlopCounterMode(display=False) as counter, torch.autocast("cuda", dtype=torch.bfloat16):
-        bench.predict().float().square().mean().backward()
-    for p in bench.lora_params:
-        p.grad = None
-    torch.cuda.empty_cache()
+    try:
+        with FlopCounterMode(display=False) as counter, torch.autocast("cuda", dtype=torch.bfloat16):
+            bench.predict().float().square().mean().backward()
+    except torch.OutOfMemoryError:
+        logger.warning("bench: a step without checkpointing does not fit in GPU memory; no MFU for this mode")
+        return None
+    finally:
+        for p in bench.lora_params:
+            p.grad = None
+        torch.cuda.empty_cache()
     return counter.get_total_flops()
 
 

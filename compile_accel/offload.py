@@ -33,8 +33,8 @@ finishes the block's forward) leaves nothing stale behind.
 
 activation_offload: the inputs of a block called inside a non-reentrant checkpoint (which
 keeps them for the recompute) are moved to pinned host memory once the next block has started
-(the tensor's `.data`, so the checkpoint's references stay valid) and brought back, one block
-ahead, in backward. Inputs shared by neighbouring blocks (timestep embedding, rotary tables)
+(the tensor's `.data`, so the checkpoint's references stay valid), on a stream of their own so
+that they leave while weights arrive, and brought back, one block ahead, in backward. Inputs shared by neighbouring blocks (timestep embedding, rotary tables)
 stay. Reentrant checkpoint copies its inputs before any hook could bring them back, so they
 stay on the GPU (with a warning). The model must not read a block's input after the next
 block has started (true for plain block loops).
@@ -108,6 +108,31 @@ class _Entry:
         return self.param.numel() * self.param.element_size()
 
 
+@dataclass
+class _OffloadedStorage:
+    """A GPU storage behind some of a block's inputs, now in a host buffer. Every tensor that
+    used it (the inputs and the tensor they are views of: a view keeps its base alive) points
+    at the buffer in its old layout, so aliasing survives the round trip."""
+
+    tensors: list[tuple[weakref.ref, torch.dtype, torch.Size, tuple[int, ...], int]]  # (tensor, layout)
+    buffer: torch.Tensor  # host bytes; the storage starts at ALIGN
+    nbytes: int
+
+    def alive(self) -> bool:
+        return any(ref() is not None for ref, *_ in self.tensors)
+
+    def point_at(self, storage: torch.Tensor) -> None:
+        """Rebind every tensor still alive to `storage` (flat bytes), each in its own layout."""
+        for ref, dtype, shape, stride, offset in self.tensors:
+            if (tensor := ref()) is not None:
+                tensor.data = storage.view(dtype).as_strided(shape, stride, offset)
+
+
+def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole storage behind `tensor`, as a flat uint8 tensor."""
+    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+
+
 def _view(buffer: torch.Tensor, offset: int, like: torch.Tensor | torch.Size, dtype: torch.dtype) -> torch.Tensor:
     shape = like.shape if isinstance(like, torch.Tensor) else like
     nbytes = math.prod(shape) * dtype.itemsize
@@ -144,11 +169,13 @@ class _Block:
         self.device_views: list[torch.Tensor] = []
         self.host_views: list[torch.Tensor] = []
         self.loaded: torch.cuda.Event | None = None  # copy into the slot, not yet waited for
-        # Offloaded inputs: (weak reference to the tensor, its host buffer). Weak, so a forward
-        # that never gets its backward leaves nothing alive here.
-        self.offloaded: list[tuple[weakref.ref, torch.Tensor]] = []
+        # Offloaded inputs, referenced weakly: a forward that never gets its backward leaves
+        # nothing alive here.
+        self.offloaded: list[_OffloadedStorage] = []
         self.free_buffers: list[torch.Tensor] = []  # host buffers for inputs, reused across steps
-        self.activations_back: torch.cuda.Event | None = None
+        self.on_host: torch.cuda.Event | None = None  # inputs copied out (to-host stream)
+        self.buffers_read: torch.cuda.Event | None = None  # inputs copied back out of the buffers
+        self.activations_back: torch.cuda.Event | None = None  # the same, not yet waited for
 
     def bind(self, views: list[torch.Tensor]) -> None:
         for entry, view in zip(self.entries, views, strict=True):
@@ -214,7 +241,10 @@ class LayerOffloadConductor:
         self._occupant: list[_Block | None] = []
         self._hooks: list[RemovableHandle] = []
         self._original_devices: dict[int, torch.device] = {}  # parameters' and buffers' at attach
-        self._stream = torch.cuda.Stream(device) if self.async_transfers else None
+        # Copies to the GPU (weights, inputs coming back) and to the host (inputs leaving) run on
+        # their own streams: PCIe carries both directions at once.
+        self._to_device = torch.cuda.Stream(device) if self.async_transfers else None
+        self._to_host = torch.cuda.Stream(device) if self.async_transfers else None
         self._last: int | None = None  # index of the block visited last, and the one before
         self._previous: int | None = None
         self._last_in_backward = False
@@ -447,12 +477,12 @@ class LayerOffloadConductor:
             previous.loaded = None
         self._occupant[block.slot] = block
         slot = self._slots[block.slot]
-        if self._stream is not None:
+        if self._to_device is not None:
             ready = torch.cuda.current_stream(self.device).record_event()
-            with torch.cuda.stream(self._stream):
-                self._stream.wait_event(ready)
+            with torch.cuda.stream(self._to_device):
+                self._to_device.wait_event(ready)
                 self._copy_in(block, slot)
-                block.loaded = self._stream.record_event()
+                block.loaded = self._to_device.record_event()
         else:
             self._copy_in(block, slot)
         block.bind(block.device_views)
@@ -513,21 +543,40 @@ class LayerOffloadConductor:
             )
         if not previous_inputs:
             return
+        # Moved by storage: the inputs that share one, and the tensor they are views of, go together.
         previous = self.blocks[self._previous]
-        current = {id(t) for t in inputs}
+        current = {t.untyped_storage().data_ptr() for t in inputs}
+        storages: dict[int, list[torch.Tensor]] = {}
         for tensor in previous_inputs:
-            nbytes = tensor.numel() * tensor.element_size()
-            if (
-                id(tensor) in current
-                or not tensor.is_floating_point()
-                or tensor.device != self.device
-                or nbytes < MIN_ACTIVATION_BYTES
-            ):
+            root = tensor if tensor._base is None else tensor._base
+            key = tensor.untyped_storage().data_ptr()
+            if key in current or not tensor.is_floating_point() or tensor.device != self.device:
                 continue
-            buffer = self._take_buffer(previous, nbytes)
-            self._move(tensor, _view(buffer, ALIGN, tensor, tensor.dtype), to_host=True)
-            previous.offloaded.append((weakref.ref(tensor), buffer))
-            self.counters["activation_bytes_offloaded"] += nbytes
+            if isinstance(root, nn.Parameter):
+                continue
+            members = storages.setdefault(key, [root])
+            if all(tensor is not m for m in members):
+                members.append(tensor)
+        for members in storages.values():
+            self._offload_storage(previous, members)
+        if self._to_host is not None and previous.offloaded:
+            previous.on_host = self._to_host.record_event()
+
+    def _offload_storage(self, block: _Block, members: list[torch.Tensor]) -> None:
+        source = _storage_bytes(members[0])
+        nbytes = source.numel()
+        if nbytes < MIN_ACTIVATION_BYTES:
+            return
+        buffer = self._take_buffer(block, nbytes)
+        host = buffer[ALIGN : ALIGN + nbytes]
+        # A reused buffer is written once the last step's copy back out of it is done.
+        self._copy(source, host, self._to_host, block.buffers_read)
+        stored = _OffloadedStorage(
+            [(weakref.ref(t), t.dtype, t.shape, t.stride(), t.storage_offset()) for t in members], buffer, nbytes
+        )
+        stored.point_at(host)
+        block.offloaded.append(stored)
+        self.counters["activation_bytes_offloaded"] += nbytes
 
     def _take_buffer(self, block: _Block, nbytes: int) -> torch.Tensor:
         """A host buffer of at least `nbytes` (after the ALIGN lead) from the block's free ones."""
@@ -539,37 +588,44 @@ class LayerOffloadConductor:
     def _forget_dead(self, block: _Block) -> None:
         """Offloaded inputs whose autograd graph is gone (a forward without its backward) give
         their buffers back."""
-        alive = [(ref, buffer) for ref, buffer in block.offloaded if ref() is not None]
-        block.free_buffers += [buffer for ref, buffer in block.offloaded if ref() is None]
-        block.offloaded = alive
+        block.free_buffers += [stored.buffer for stored in block.offloaded if not stored.alive()]
+        block.offloaded = [stored for stored in block.offloaded if stored.alive()]
 
-    def _move(self, tensor: torch.Tensor, target: torch.Tensor, to_host: bool) -> None:
-        """Copy `tensor`'s data into `target` and point `tensor` at it (on the side stream)."""
-        source = tensor.data
-        if self._stream is None:
+    def _copy(
+        self,
+        source: torch.Tensor,
+        target: torch.Tensor,
+        stream: torch.cuda.Stream | None,
+        after: torch.cuda.Event | None,
+    ) -> None:
+        """target <- source on `stream`, behind the compute enqueued so far and `after`."""
+        if stream is None:
             target.copy_(source)
         else:
             ready = torch.cuda.current_stream(self.device).record_event()
-            with torch.cuda.stream(self._stream):
-                self._stream.wait_event(ready)
+            with torch.cuda.stream(stream):
+                stream.wait_event(ready)
+                if after is not None:
+                    stream.wait_event(after)
                 target.copy_(source, non_blocking=self.pin_memory)
-                if to_host:
-                    source.record_stream(self._stream)  # freed only once the copy has read it
-        tensor.data = target
+                if source.is_cuda:
+                    source.record_stream(stream)  # freed only once the copy has read it
 
     def _bring_back(self, block: _Block, prefetch: bool = False) -> None:
         if not block.offloaded:
             return
-        for ref, _ in block.offloaded:
-            tensor = ref()
-            if tensor is not None:
-                self._move(tensor, torch.empty_like(tensor.data, device=self.device), to_host=False)
-        # The buffers are free once the copies out of them are done: the next writes into them
-        # are queued behind those copies on the same stream.
-        block.free_buffers += [buffer for _, buffer in block.offloaded]
+        for stored in block.offloaded:
+            if not stored.alive():
+                continue
+            target = torch.empty(stored.nbytes, dtype=torch.uint8, device=self.device)
+            self._copy(stored.buffer[ALIGN : ALIGN + stored.nbytes], target, self._to_device, block.on_host)
+            stored.point_at(target)
+        # The buffers are free once the copies out of them are done (`buffers_read`).
+        block.free_buffers += [stored.buffer for stored in block.offloaded]
         block.offloaded = []
-        if self._stream is not None:
-            block.activations_back = self._stream.record_event()
+        block.on_host = None
+        if self._to_device is not None:
+            block.buffers_read = block.activations_back = self._to_device.record_event()
         if not prefetch:
             self._wait(block)
 

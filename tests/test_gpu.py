@@ -93,25 +93,27 @@ def test_block_with_host_weights_runs_eager_and_is_counted() -> None:
     assert stats["eager_nonresident_calls"] == 3 and stats["unique_graphs"] == 0
 
 
-def _cuda_stack(n: int = 6):
-    from test_offload import Stack
+def _cuda_stack(n: int = 6, kind: str = "Stack"):
+    import test_offload
 
-    model = Stack(n=n).cuda()
-    reference = Stack(n=n).cuda()
+    model = getattr(test_offload, kind)(n=n).cuda()
+    reference = getattr(test_offload, kind)(n=n).cuda()
     reference.load_state_dict(model.state_dict())
     return model, reference
 
 
-def test_streamed_compiled_blocks_match_resident_eager_without_recompiles(monkeypatch) -> None:
-    """Side-stream copies with prefetch, activation offload and inductor-compiled blocks under
-    diffusers-style checkpointing: LoRA gradients as a fully resident eager run's, every block
-    call compiled (none eager for want of its weights), no recompiles after the first step."""
+@pytest.mark.parametrize("kind", ["Stack", "JointStack"])
+def test_streamed_compiled_blocks_match_resident_eager_without_recompiles(monkeypatch, kind: str) -> None:
+    """Side-stream copies with prefetch, activation offload (JointStack: inputs that are views of
+    one tensor, as in Flux) and inductor-compiled blocks under diffusers-style checkpointing:
+    LoRA gradients as a fully resident eager run's, every block call compiled (none eager for
+    want of its weights), no recompiles after the first step."""
     from test_offload import stack_inputs, step
 
     from compile_accel import LayerOffloadConductor, offload
 
     monkeypatch.setattr(offload, "MIN_ACTIVATION_BYTES", 0)
-    model, reference = _cuda_stack()
+    model, reference = _cuda_stack(kind=kind)
     holder = nn.Module()
     holder.blocks = model.blocks
     acceleration = compile_accel.apply(holder, CompileConfig(mode="blocks"), blocks=["blocks"])

@@ -179,6 +179,61 @@ def test_activation_offload_moves_checkpointed_inputs_and_brings_them_back(monke
     assert conductor.counters["activation_bytes_offloaded"] == 4 * per_input
 
 
+class JointBlock(Block):
+    """Takes two token streams and returns them as views of one joint tensor, as Flux's
+    single-stream blocks do (a view keeps its base, so offloading the views alone frees nothing)."""
+
+    def forward(self, text: torch.Tensor, image: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        joint = super().forward(torch.cat([text, image], dim=1), cond)
+        return joint[:, :TEXT], joint[:, TEXT:]
+
+
+TEXT = 4
+
+
+class JointStack(nn.Module):
+    def __init__(self, n: int = 5) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(JointBlock() for _ in range(n))
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        text, image = x[:, :TEXT], x[:, TEXT:]
+        for block in self.blocks:
+            text, image = checkpoint(block, text, image, cond, use_reentrant=False)
+        return torch.cat([text, image], dim=1)
+
+
+def test_activation_offload_moves_view_inputs_with_their_base(monkeypatch) -> None:
+    monkeypatch.setattr(offload, "MIN_ACTIVATION_BYTES", 0)
+    reference = JointStack()
+    model = JointStack()
+    model.load_state_dict(reference.state_dict())
+    conductor = LayerOffloadConductor(offload_fraction=0.6, device="cpu", activation_offload=True)
+    conductor.attach(model.blocks)
+    block_1_inputs, moved = [], []  # at block 3: where block 1's inputs and the tensor they view live
+
+    def keep(module: nn.Module, args: tuple) -> None:
+        block_1_inputs.extend(args[:2])
+
+    def check(module: nn.Module, args: tuple) -> None:
+        text, image = block_1_inputs
+        buffers = {stored.buffer.untyped_storage().data_ptr() for stored in conductor.blocks[1].offloaded}
+        moved.append({t.untyped_storage().data_ptr() in buffers for t in (text, image, text._base)})
+
+    model.blocks[1].register_forward_pre_hook(keep)
+    model.blocks[3].register_forward_pre_hook(check)
+    inputs = stack_inputs()
+    loss, grads = step(model, inputs)
+    expected_loss, expected = step(reference, inputs)
+    torch.testing.assert_close(loss, expected_loss, rtol=0, atol=0)
+    assert all(torch.equal(g, e) for g, e in zip(grads, expected, strict=True))
+    assert moved[0] == {True}  # in forward the base went to host memory with its views, in one buffer
+    joint = inputs[0].numel() * inputs[0].element_size()
+    # One storage each for blocks 0..2 (block 0's inputs are slices of the model input); block 3's
+    # stay (backward needs them first), block 4's are never left behind.
+    assert conductor.counters["activation_bytes_offloaded"] == 3 * joint
+
+
 def test_activation_offload_warns_under_reentrant_checkpoint(monkeypatch) -> None:
     monkeypatch.setattr(offload, "MIN_ACTIVATION_BYTES", 0)
     model = Stack(n=4, checkpointing="reentrant")

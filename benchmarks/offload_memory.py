@@ -1,0 +1,101 @@
+"""Where the GPU memory of an offloaded LoRA step goes (a diagnostic, GPU only).
+
+    python -m benchmarks.offload_memory --model flux --res 2048 --mode blocks
+
+Builds the bench model with checkpointing and a LayerOffloadConductor (activation offload on),
+runs two steps, then prints what stays allocated between steps, by owner, and for one more step
+the bytes allocated when each block is visited and the highest peak between two visits.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from compile_accel import CompileConfig, LayerOffloadConductor
+
+from .models import MODELS
+
+GiB = 2**30
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(MODELS), default="flux")
+    parser.add_argument("--res", type=int, default=2048)
+    parser.add_argument("--mode", choices=["off", "selective", "blocks"], default="blocks", help="compile mode")
+    parser.add_argument("--offload-fraction", type=float, default=0.9)
+    args = parser.parse_args(argv)
+
+    torch.manual_seed(0)
+    bench = MODELS[args.model]("cuda", 16, None, args.res)
+    model = bench.model
+    model.train()
+    bench.enable_checkpointing()
+    bench.accelerate(model, CompileConfig(mode=args.mode, exclude=bench.exclude))
+    conductor = LayerOffloadConductor(args.offload_fraction, activation_offload=True).attach(model)
+    torch.cuda.empty_cache()
+    optimizer = torch.optim.AdamW(bench.lora_params, lr=1e-4)
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = bench.predict()
+        (out.float() - bench.target.float()).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+
+    in_blocks = {id(p) for block in conductor.blocks for p in block.module.parameters()}
+    lora = {id(p) for p in bench.lora_params}
+    at_rest = {
+        "resident blocks' frozen weights": sum(b.home.numel() for b in conductor.blocks if b.home is not None),
+        "slots for streamed blocks": sum(s.numel() for s in conductor._slots),
+        "LoRA weights": sum(p.numel() * p.element_size() for p in bench.lora_params),
+        "optimizer state": sum(
+            t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if t.is_cuda
+        ),
+        "other frozen weights (outside the blocks)": sum(
+            p.numel() * p.element_size()
+            for p in model.parameters()
+            if p.is_cuda and id(p) not in in_blocks and id(p) not in lora
+        ),
+    }
+    total = torch.cuda.memory_allocated()
+    at_rest["the rest (inputs, buffers, ...)"] = total - sum(at_rest.values())
+    print(f"{bench.description}, compile mode {args.mode}, offload fraction {args.offload_fraction}")
+    print(f"allocated between steps: {total / GiB:.2f} GiB")
+    for name, nbytes in at_rest.items():
+        print(f"  {name:45s} {nbytes / GiB:6.3f} GiB")
+
+    visits = []  # (block, in backward, allocated on entry, peak since the previous visit)
+    before_layer = conductor.before_layer
+
+    def traced(index: int, inputs=()) -> None:
+        backward = torch._C._current_graph_task_id() != -1
+        visits.append((index, backward, torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()))
+        torch.cuda.reset_peak_memory_stats()
+        before_layer(index, inputs)
+
+    conductor.before_layer = traced
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    conductor.before_layer = before_layer
+    visits.append((None, True, torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()))
+    for backward in (False, True):
+        entries = " ".join(f"{v[2] / GiB:.2f}" for v in visits[:-1] if v[1] == backward)
+        print(f"allocated on entry to each block, {'backward' if backward else 'forward'} (GiB): {entries}")
+    peak = max(range(1, len(visits)), key=lambda i: visits[i][3])
+    (index, backward, entry, _), peak_bytes = visits[peak - 1], visits[peak][3]
+    print(
+        f"step peak {peak_bytes / GiB:.2f} GiB, in block {index}'s {'backward' if backward else 'forward'} "
+        f"visit: {entry / GiB:.2f} GiB on entry + {(peak_bytes - entry) / GiB:.2f} GiB while it ran"
+    )
+
+
+if __name__ == "__main__":
+    main()
