@@ -134,6 +134,31 @@ def test_order_prefetch_and_early_stopped_recompute() -> None:
     assert loads > 0 and conductor.counters["prefetched_loads"] - first["prefetched_loads"] == loads
 
 
+def test_resident_blocks_are_the_smallest_spread_out_and_prefetch_two_ahead() -> None:
+    """The blocks that stay are the smallest ones, spread over the execution order; streamed
+    blocks alternate slots, and from a resident block the next two streamed ones are copied
+    (the resident block's compute overlaps copies)."""
+    blocks = nn.ModuleList([nn.Linear(64, 64) for _ in range(3)] + [nn.Linear(8, 8) for _ in range(6)])
+    blocks.requires_grad_(False)
+    conductor = LayerOffloadConductor(offload_fraction=6 / 9, device="cpu").attach(blocks)
+    assert [b.index for b in conductor.blocks if not b.streamed] == [4, 6, 8]
+    assert [b.slot for b in conductor.blocks if b.streamed] == [0, 1, 0, 1, 0, 1]
+    held_at = {}
+
+    def record(index: int):
+        def hook(module: nn.Module, args: tuple) -> None:
+            held_at[index] = sorted(conductor.resident_streamed_blocks())
+
+        return hook
+
+    for index in (4, 6):
+        blocks[index].register_forward_pre_hook(record(index))
+    x = torch.randn(2, 64)
+    for block in blocks:
+        x = block(x) if block.in_features == x.shape[-1] else block(x[:, :8])
+    assert held_at == {4: [5, 7], 6: [5, 7]}  # at block 4: blocks 5 and 7 on their way
+
+
 def test_inner_checkpoint_and_compiled_blocks_stream_without_recompiles() -> None:
     """The trainer-style checkpoint inside each block's forward, blocks compiled: swapping
     weights through the slots compiles nothing new after the first step, the regions run
