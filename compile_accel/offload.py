@@ -38,10 +38,13 @@ finishes the block's forward) leaves nothing stale behind.
 activation_offload: the inputs of a block called inside a non-reentrant checkpoint (which
 keeps them for the recompute) are moved to pinned host memory once the next block has started
 (the tensor's `.data`, so the checkpoint's references stay valid), on a stream of their own so
-that they leave while weights arrive, and brought back, one block ahead, in backward. Inputs shared by neighbouring blocks (timestep embedding, rotary tables)
-stay. Reentrant checkpoint copies its inputs before any hook could bring them back, so they
-stay on the GPU (with a warning). The model must not read a block's input after the next
-block has started (true for plain block loops).
+that they leave while weights arrive, and brought back, one block ahead, in backward. Inputs
+shared by neighbouring blocks (timestep embedding, rotary tables) stay. Inputs move by storage:
+views (Flux's single-stream blocks get two slices of one tensor) go with the tensor they view,
+which a view keeps alive, into one host buffer and back into one GPU buffer, layouts kept.
+Reentrant checkpoint copies its inputs before any hook could bring them back, so they stay on
+the GPU (with a warning). The model must not read a block's input, or the tensor it views,
+after the next block has started (true for plain block loops).
 
 offload_dtype="int8": streamed frozen weight matrices are stored as per-row symmetric int8
 plus an fp32 scale per row (the host copy is lossy; the bf16 originals are dropped), sent as
