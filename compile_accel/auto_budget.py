@@ -140,7 +140,8 @@ class AutoBudget:
     """Forward pre-hook on the model root that calibrates once, on the first training call.
 
     `set_budget(budget, stats)` switches every compiled region of the Acceleration to a
-    budget, counting into `stats`; `measure` is replaceable for tests.
+    budget, counting into `stats`; `measure` and `candidates` (the budgets timed, in order) are
+    replaceable for tests.
     """
 
     def __init__(
@@ -156,6 +157,7 @@ class AutoBudget:
         self.stats = stats
         self.limit_gib = limit_gib
         self.measure = measure
+        self.candidates = CANDIDATES
         self.result: dict[str, Any] | None = None
         self._running = False
         self.handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
@@ -204,7 +206,7 @@ class AutoBudget:
 
         start = time.perf_counter()
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            for budget in CANDIDATES:
+            for budget in self.candidates:
                 per_budget_stats[budget] = Stats(regions=self.stats.regions)
                 self.set_budget(budget, per_budget_stats[budget])
                 seconds, peak = self.measure(run, device, [*self.model.parameters()])

@@ -41,14 +41,17 @@ keeps them for the recompute) are moved to pinned host memory once the next bloc
 that they leave while weights arrive, and brought back, one block ahead, in backward. Inputs
 shared by neighbouring blocks (timestep embedding, rotary tables) stay. Inputs move by storage:
 views (Flux's single-stream blocks get two slices of one tensor) go with the tensor they view,
-which a view keeps alive, into one host buffer and back into one GPU buffer, layouts kept.
+which a view keeps alive, into one host buffer and back into one GPU buffer, layouts kept;
+views of a leaf (a parameter, a buffer, the caller's tensor) stay. Inputs still on the host when
+their block's next forward starts (a forward whose backward never came) go back then.
 Reentrant checkpoint copies its inputs before any hook could bring them back, so they stay on
 the GPU (with a warning). The model must not read a block's input, or the tensor it views,
 after the next block has started (true for plain block loops).
 
 offload_dtype="int8": streamed frozen weight matrices are stored as per-row symmetric int8
 plus an fp32 scale per row (the host copy is lossy; the bf16 originals are dropped), sent as
-int8 and dequantized on the GPU into the block's slot.
+int8 into a staging buffer and dequantized into the block's slot on the compute stream just before
+the block runs (one fused kernel per matrix), so copies never wait behind dequantize kernels.
 
 While attached, a streamed block's frozen parameters are views of its slot (when loaded) or of
 host memory (when not); in int8 mode an unloaded one reads as zeros. Trainable parameters are
@@ -71,6 +74,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .blocks import resolve_block_lists
 from .checkpointing import under_saved_tensor_checkpoint
+from .int8 import dequantize_int8_, quantize_int8
 from .stats import warn
 
 logger = logging.getLogger("compile_accel")
@@ -84,21 +88,6 @@ _MARK = "_compile_accel_offload"
 
 def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row (dim 0) symmetric int8: (int8 values of weight's shape, fp32 scale per row)."""
-    rows = weight.detach().reshape(weight.shape[0], -1).float()
-    scale = rows.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
-    q = torch.round(rows / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q.reshape(weight.shape), scale
-
-
-def dequantize_int8_(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """out = q * scale per row, in place, rounded once into out's dtype."""
-    out.copy_(q)
-    out.reshape(out.shape[0], -1).mul_(scale[:, None])
-    return out
 
 
 @dataclass
@@ -132,7 +121,8 @@ class _OffloadedStorage:
         """Rebind every tensor still alive to `storage` (flat bytes), each in its own layout."""
         for ref, dtype, shape, stride, offset in self.tensors:
             if (tensor := ref()) is not None:
-                tensor.data = storage.view(dtype).as_strided(shape, stride, offset)
+                whole = storage.numel() // dtype.itemsize * dtype.itemsize  # a storage may end mid-element
+                tensor.data = storage[:whole].view(dtype).as_strided(shape, stride, offset)
 
 
 def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -176,6 +166,7 @@ class _Block:
         self.device_views: list[torch.Tensor] = []
         self.host_views: list[torch.Tensor] = []
         self.loaded: torch.cuda.Event | None = None  # copy into the slot, not yet waited for
+        self.staged = False  # int8: the copy landed in the slot's staging buffer, not dequantized yet
         # Offloaded inputs, referenced weakly: a forward that never gets its backward leaves
         # nothing alive here.
         self.offloaded: list[_OffloadedStorage] = []
@@ -245,6 +236,7 @@ class LayerOffloadConductor:
         self.blocks: list[_Block] = []
         self._slots: list[torch.Tensor] = []
         self._staging: list[torch.Tensor] = []  # int8 mode: where the host blob lands before dequantizing
+        self._staging_read: list[torch.cuda.Event | None] = []  # int8: the last dequantize out of each
         self._occupant: list[_Block | None] = []
         self._hooks: list[RemovableHandle] = []
         self._original_devices: dict[int, torch.device] = {}  # parameters' and buffers' at attach
@@ -352,6 +344,7 @@ class LayerOffloadConductor:
             if self.offload_dtype == "int8":
                 staging = max((b.host_nbytes for b in streamed), default=0)
                 self._staging = [torch.empty(staging, dtype=torch.uint8, device=self.device) for _ in self._slots]
+                self._staging_read = [None] * len(self._staging)
             for block in plan:
                 if not block.streamed:
                     block.home = torch.empty(block.nbytes, dtype=torch.uint8, device=self.device)
@@ -407,6 +400,7 @@ class LayerOffloadConductor:
             block.module.__dict__.pop(_MARK, None)
         self.synchronize()
         self.blocks, self._hooks, self._slots, self._staging, self._occupant = [], [], [], [], []
+        self._staging_read = []
         self._last = self._previous = None
         self._checkpointed_inputs = []
 
@@ -495,28 +489,28 @@ class LayerOffloadConductor:
         previous = self._occupant[block.slot]
         if previous is not None:
             previous.bind(previous.host_views)
-            previous.loaded = None
+            previous.loaded, previous.staged = None, False
         self._occupant[block.slot] = block
-        slot = self._slots[block.slot]
-        if self._to_device is not None:
-            ready = torch.cuda.current_stream(self.device).record_event()
-            with torch.cuda.stream(self._to_device):
-                self._to_device.wait_event(ready)
-                self._copy_in(block, slot)
-                block.loaded = self._to_device.record_event()
+        if self.offload_dtype == "int8":
+            # The int8 blob lands in the slot's staging buffer and is dequantized into the slot on
+            # the compute stream just before the block runs (`_wait`), in order after the slot's
+            # previous occupant. So the copy waits only for the last dequantize out of that buffer:
+            # the copy engine never idles behind dequantize kernels or the previous block's compute.
+            target, after = self._staging[block.slot][: block.host_nbytes], self._staging_read[block.slot]
+            self._copy(block.host, target, self._to_device, after, behind_compute=False)
+            block.staged = True
         else:
-            self._copy_in(block, slot)
+            # Straight into the slot, behind the work enqueued so far (the previous occupant's).
+            self._copy(block.host, self._slots[block.slot][: block.nbytes], self._to_device, None)
+        if self._to_device is not None:
+            block.loaded = self._to_device.record_event()
         block.bind(block.device_views)
         self.counters["loads"] += 1
         self.counters["prefetched_loads"] += prefetch
         self.counters["bytes_to_device"] += block.host_nbytes
 
-    def _copy_in(self, block: _Block, slot: torch.Tensor) -> None:
-        if self.offload_dtype is None:
-            slot[: block.nbytes].copy_(block.host, non_blocking=self.pin_memory)
-            return
+    def _dequantize(self, block: _Block) -> None:
         staging = self._staging[block.slot]
-        staging[: block.host_nbytes].copy_(block.host, non_blocking=self.pin_memory)
         for entry, view in zip(block.entries, block.device_views, strict=True):
             if entry.quantized:
                 q = _view(staging, entry.host_offset, view, torch.int8)
@@ -526,12 +520,17 @@ class LayerOffloadConductor:
                 view.copy_(_view(staging, entry.host_offset, view, view.dtype))
 
     def _wait(self, block: _Block) -> None:
-        if block.loaded is not None:
-            torch.cuda.current_stream(self.device).wait_event(block.loaded)
-            block.loaded = None
-        if block.activations_back is not None:
-            torch.cuda.current_stream(self.device).wait_event(block.activations_back)
-            block.activations_back = None
+        """Order the compute stream after the block's copies; int8: dequantize it into its slot."""
+        stream = torch.cuda.current_stream(self.device) if self.cuda else None
+        for event in (block.loaded, block.activations_back):
+            if event is not None:
+                stream.wait_event(event)
+        block.loaded = block.activations_back = None
+        if block.staged:
+            self._dequantize(block)
+            block.staged = False
+            if self._to_device is not None:
+                self._staging_read[block.slot] = stream.record_event()
 
     # ---- activations -------------------------------------------------------------------
 
@@ -545,7 +544,9 @@ class LayerOffloadConductor:
             return
         if self._previous != block.index - 1 or block.index == len(self.blocks) - 1:
             previous_inputs = []  # not offloaded; and they may hold a dropped forward's graph
-        self._forget_dead(block)
+        # Inputs still on the host from an earlier forward of this block, whose backward never
+        # came (or comes after this forward): the live ones go back, the dead ones free their buffers.
+        self._bring_back(block)
         if torch.is_grad_enabled():
             if under_saved_tensor_checkpoint():
                 self._checkpointed_inputs = list(inputs)
@@ -564,20 +565,24 @@ class LayerOffloadConductor:
             )
         if not previous_inputs:
             return
-        # Moved by storage: the inputs that share one, and the tensor they are views of, go together.
+        # Moved by storage: the inputs that share one, and the tensors they are views of, go
+        # together. A storage that a leaf is viewed from (a parameter, a buffer, the caller's
+        # tensor sliced by the model) stays: it outlives the step.
         previous = self.blocks[self._previous]
-        current = {t.untyped_storage().data_ptr() for t in inputs}
+        staying = {t.untyped_storage().data_ptr() for t in inputs}
         storages: dict[int, list[torch.Tensor]] = {}
         for tensor in previous_inputs:
-            root = tensor if tensor._base is None else tensor._base
             key = tensor.untyped_storage().data_ptr()
-            if key in current or not tensor.is_floating_point() or tensor.device != self.device:
+            root = tensor if tensor._base is None else tensor._base
+            if (root is not tensor and root.grad_fn is None) or isinstance(root, nn.Parameter):
+                staying.add(key)
+            if key in staying or not tensor.is_floating_point() or tensor.device != self.device:
+                storages.pop(key, None)
                 continue
-            if isinstance(root, nn.Parameter):
-                continue
-            members = storages.setdefault(key, [root])
-            if all(tensor is not m for m in members):
-                members.append(tensor)
+            members = storages.setdefault(key, [])
+            for alias in (root, tensor):
+                if all(alias is not m for m in members):
+                    members.append(alias)
         for members in storages.values():
             self._offload_storage(previous, members)
         if self._to_host is not None and previous.offloaded:
@@ -606,31 +611,30 @@ class LayerOffloadConductor:
                 return block.free_buffers.pop(i)
         return self._host_empty(_aligned(nbytes) + ALIGN)
 
-    def _forget_dead(self, block: _Block) -> None:
-        """Offloaded inputs whose autograd graph is gone (a forward without its backward) give
-        their buffers back."""
-        block.free_buffers += [stored.buffer for stored in block.offloaded if not stored.alive()]
-        block.offloaded = [stored for stored in block.offloaded if stored.alive()]
-
     def _copy(
         self,
         source: torch.Tensor,
         target: torch.Tensor,
         stream: torch.cuda.Stream | None,
         after: torch.cuda.Event | None,
+        behind_compute: bool = True,
     ) -> None:
-        """target <- source on `stream`, behind the compute enqueued so far and `after`."""
+        """target <- source on `stream`, behind `after` and (unless told otherwise) the compute
+        enqueued so far."""
         if stream is None:
             target.copy_(source)
         else:
-            ready = torch.cuda.current_stream(self.device).record_event()
+            ready = torch.cuda.current_stream(self.device).record_event() if behind_compute else None
             with torch.cuda.stream(stream):
-                stream.wait_event(ready)
+                if ready is not None:
+                    stream.wait_event(ready)
                 if after is not None:
                     stream.wait_event(after)
                 target.copy_(source, non_blocking=self.pin_memory)
-                if source.is_cuda:
-                    source.record_stream(stream)  # freed only once the copy has read it
+                # GPU memory that dies before the copy is done is reused only after it.
+                for tensor in (source, target):
+                    if tensor.is_cuda:
+                        tensor.record_stream(stream)
 
     def _bring_back(self, block: _Block, prefetch: bool = False) -> None:
         if not block.offloaded:

@@ -23,14 +23,15 @@ def test_choose_fastest_within_the_limit() -> None:
     assert choose(table, 4) == (table[0], False)  # nothing fits: the lowest peak
 
 
-def _scripted(peaks_gib: dict[float, float], seconds: dict[float, float], calls: list[float]):
-    """A measurement that runs the step (so the budget really compiles) and reports scripted numbers."""
+def _scripted(candidates: tuple[float, ...], calls: list[float]):
+    """A measurement that runs the step (so the budget really compiles) and reports the numbers
+    of PEAKS and SECONDS."""
 
     def measure(run, device, parameters):
-        budget = CANDIDATES[len(calls)]
+        budget = candidates[len(calls)]
         calls.append(budget)
         run()
-        return seconds[budget], int(peaks_gib[budget] * GIB)
+        return SECONDS[budget], int(PEAKS[budget] * GIB)
 
     return measure
 
@@ -45,11 +46,15 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("COMPILE_ACCEL_CACHE_DIR", str(tmp_path))
 
 
-def _auto(model: torch.nn.Module, limit_gib: float, calls: list[float]) -> compile_accel.Acceleration:
-    """apply() with activation_memory_budget="auto", measured by the scripted PEAKS/SECONDS table."""
+def _auto(
+    model: torch.nn.Module, limit_gib: float, calls: list[float], candidates: tuple[float, ...] = CANDIDATES
+) -> compile_accel.Acceleration:
+    """apply() with activation_memory_budget="auto", measured by the scripted PEAKS/SECONDS table;
+    fewer candidates calibrate faster (each one compiles every block kind)."""
     config = CompileConfig(mode="blocks", activation_memory_budget="auto", vram_limit_gib=limit_gib, backend=BACKEND)
     acceleration = compile_accel.apply(model, config)
-    acceleration.auto_budget.measure = _scripted(PEAKS, SECONDS, calls)
+    acceleration.auto_budget.measure = _scripted(candidates, calls)
+    acceleration.auto_budget.candidates = candidates
     return acceleration
 
 
@@ -86,7 +91,7 @@ def test_calibration_picks_the_fastest_fitting_budget_and_leaves_training_unchan
 
 def test_nothing_fits_warns_and_takes_the_lowest_peak() -> None:
     model, params = build("kohya", None)
-    acceleration = _auto(model, 0.5, [])
+    acceleration = _auto(model, 0.5, [], candidates=(0.5, 0.0))
     with pytest.warns(RuntimeWarning, match="no activation memory budget fits"):
         lora_step(model, params, inputs_for(model))
     assert acceleration.stats()["auto_budget"]["budget"] == 0.0
@@ -116,7 +121,7 @@ def test_auto_budget_config_errors() -> None:
 
 def test_chosen_budget_reuses_its_calibration_graphs() -> None:
     model, params = build("kohya", None)
-    acceleration = _auto(model, 2.6, [])
+    acceleration = _auto(model, 2.6, [], candidates=(0.5, 1.0))
     inputs = inputs_for(model)
     lora_step(model, params, inputs)
     after_calibration = acceleration.stats()

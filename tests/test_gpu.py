@@ -133,6 +133,18 @@ def test_streamed_compiled_blocks_match_resident_eager_without_recompiles(monkey
     assert conductor.counters["prefetched_loads"] > 0 and conductor.counters["activation_bytes_offloaded"] > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_int8_dequantize_kernel_equals_the_torch_arithmetic(dtype: torch.dtype) -> None:
+    """The Triton kernel computes q * scale in fp32 and rounds once, as torch.mul does on the CPU."""
+    from compile_accel.int8 import dequantize_int8_, quantize_int8
+
+    weight = torch.randn(300, 7, 5) * torch.logspace(-3, 1, 300)[:, None, None]  # 10,500 elements
+    q, scale = quantize_int8(weight)
+    expected = dequantize_int8_(torch.empty(weight.shape, dtype=dtype), q, scale)
+    actual = dequantize_int8_(torch.empty(weight.shape, dtype=dtype, device="cuda"), q.cuda(), scale.cuda())
+    assert torch.equal(actual.cpu(), expected)
+
+
 def test_int8_streaming_on_cuda_halves_bytes_with_small_error() -> None:
     from test_offload import stack_inputs
 

@@ -9,11 +9,13 @@ import pytest
 import torch
 import torch.nn as nn
 from conftest import build, inputs_for, lora_step
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
 import compile_accel
 from compile_accel import CompileConfig, offload
-from compile_accel.offload import LayerOffloadConductor, dequantize_int8_, quantize_int8
+from compile_accel.int8 import dequantize_int8_, quantize_int8
+from compile_accel.offload import LayerOffloadConductor
 
 DIM, TOKENS = 32, 16
 
@@ -229,34 +231,40 @@ class JointStack(nn.Module):
 
 
 def test_activation_offload_moves_view_inputs_with_their_base(monkeypatch) -> None:
+    """Views leave with the tensor they view (freeing its GPU storage), in one host buffer; views of
+    a leaf (here the caller's input, sliced by the model) stay where they are."""
     monkeypatch.setattr(offload, "MIN_ACTIVATION_BYTES", 0)
     reference = JointStack()
     model = JointStack()
     model.load_state_dict(reference.state_dict())
     conductor = LayerOffloadConductor(offload_fraction=0.6, device="cpu", activation_offload=True)
     conductor.attach(model.blocks)
-    block_1_inputs, moved = [], []  # at block 3: where block 1's inputs and the tensor they view live
+    block_1_inputs, block_1_storage, at_block_3 = [], [], []
 
     def keep(module: nn.Module, args: tuple) -> None:
         block_1_inputs.extend(args[:2])
+        block_1_storage.append(StorageWeakRef(args[0].untyped_storage()))
 
     def check(module: nn.Module, args: tuple) -> None:
         text, image = block_1_inputs
         buffers = {stored.buffer.untyped_storage().data_ptr() for stored in conductor.blocks[1].offloaded}
-        moved.append({t.untyped_storage().data_ptr() in buffers for t in (text, image, text._base)})
+        moved = {t.untyped_storage().data_ptr() in buffers for t in (text, image, text._base)}
+        at_block_3.append((moved, block_1_storage[0].expired()))
 
     model.blocks[1].register_forward_pre_hook(keep)
     model.blocks[3].register_forward_pre_hook(check)
-    inputs = stack_inputs()
-    loss, grads = step(model, inputs)
-    expected_loss, expected = step(reference, inputs)
+    x, cond = stack_inputs()
+    x_storage = x.untyped_storage().data_ptr()
+    loss, grads = lora_step(model, trainable(model), (x, cond))
+    expected_loss, expected = lora_step(reference, trainable(reference), (x, cond))
     torch.testing.assert_close(loss, expected_loss, rtol=0, atol=0)
     assert all(torch.equal(g, e) for g, e in zip(grads, expected, strict=True))
-    assert moved[0] == {True}  # in forward the base went to host memory with its views, in one buffer
-    joint = inputs[0].numel() * inputs[0].element_size()
-    # One storage each for blocks 0..2 (block 0's inputs are slices of the model input); block 3's
-    # stay (backward needs them first), block 4's are never left behind.
-    assert conductor.counters["activation_bytes_offloaded"] == 3 * joint
+    assert at_block_3[0] == ({True}, True)  # in forward: views and base in the buffer, old storage freed
+    assert x.untyped_storage().data_ptr() == x_storage
+    joint = x.numel() * x.element_size()
+    # One storage each for blocks 1 and 2; block 0's inputs are slices of the caller's x and stay,
+    # block 3's stay (backward needs them first), block 4's are never left behind.
+    assert conductor.counters["activation_bytes_offloaded"] == 2 * joint
 
 
 def test_activation_offload_warns_under_reentrant_checkpoint(monkeypatch) -> None:
@@ -424,11 +432,16 @@ def test_activation_offload_every_step_and_no_leak_from_forwards_without_backwar
         per_step.append(conductor.counters["activation_bytes_offloaded"] - before)
     assert per_step[0] == per_step[1] > 0
     first = len(allocations)
+    held = stack_inputs()  # the caller keeps this input (block 0's), which goes to the host
+    values = held[0].detach().clone()
     for _ in range(3):  # e.g. a skipped step: its graph is dropped without backward
+        model(*held).sum()
         model(*stack_inputs()).sum()
     step(model, stack_inputs())
     assert len(allocations) == first  # the dropped forwards' buffers were reused
     assert all(len(b.offloaded) == 0 for b in conductor.blocks)
+    buffers = {b.untyped_storage().data_ptr() for block in conductor.blocks for b in block.free_buffers}
+    assert held[0].untyped_storage().data_ptr() not in buffers and torch.equal(held[0], values)
 
 
 def test_trainer_driven_visits_without_hooks() -> None:
