@@ -1,12 +1,18 @@
 """Per-row symmetric int8 for streamed frozen weights: quantize once on the host, dequantize on
-the GPU every time a block is loaded (twice per training step), so the dequantize is one
-memory-bound kernel per matrix: read int8 and a row scale, write the weight's dtype."""
+the GPU every time a block is loaded (twice per training step), so the dequantize is
+memory-bound kernel work: read int8 and a row scale, write the weight's dtype. A block's
+matrices are dequantized by one kernel launch (`Int8Matrices`), because the host time of a
+launch per matrix exceeded the copy engine's time per block (the forward of an offloaded Flux
+step at 1024x1024 was host-bound)."""
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
+
+from .stats import warn
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -18,17 +24,88 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_int8_(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """out = q * scale per row, computed in fp32 and rounded once into out's dtype. out, q and
-    scale are contiguous."""
+    """out = q * scale per row (dim 0), computed in fp32 and rounded once into out's dtype.
+    out (floating point), q (int8, out's shape) and scale (fp32, one per row) are contiguous.
+    Plain torch ops, on any device: the reference for `Int8Matrices`' kernel, and its fallback."""
+    tensors = (out, q, scale)
+    if out.dim() == 0 or q.shape != out.shape or scale.shape != out.shape[:1]:
+        raise ValueError(
+            "dequantize_int8_ needs q of out's shape and one scale per row, got "
+            + ", ".join(f"{name} {tuple(t.shape)}" for name, t in zip(("out", "q", "scale"), tensors))
+        )
+    if q.dtype != torch.int8 or scale.dtype != torch.float32 or not out.is_floating_point():
+        raise ValueError(
+            f"dequantize_int8_ needs int8 q, fp32 scale, floating out; got {q.dtype}, {scale.dtype}, {out.dtype}"
+        )
+    if not all(t.is_contiguous() for t in tensors) or len({t.device for t in tensors}) > 1:
+        raise ValueError("dequantize_int8_ needs out, q and scale contiguous and on one device")
     rows = out.shape[0]
-    if out.is_cuda and out.numel():
-        # torch.mul with mixed dtypes and a broadcast row scale runs far below memory speed
-        # (in a profile of a Flux step it was the largest cost int8 added to the compute stream).
-        n = out.numel()
-        _dequantize_kernel()[((n + _BLOCK - 1) // _BLOCK,)](q, scale, out, n, n // rows, BLOCK=_BLOCK)
-    else:
-        torch.mul(q.reshape(rows, -1), scale[:, None], out=out.view(rows, -1))
+    torch.mul(q.reshape(rows, -1), scale[:, None], out=out.view(rows, -1))
     return out
+
+
+@dataclass(frozen=True)
+class Int8Matrix:
+    """One quantized matrix inside byte buffers: int8 values and fp32 row scales in the staging
+    buffer, the dequantized values in the output buffer (offsets in bytes, each a multiple of 16)."""
+
+    q_offset: int
+    scale_offset: int
+    out_offset: int
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+class Int8Matrices:
+    """Dequantizes a fixed set of matrices from a staging buffer into an output buffer (both flat
+    uint8, sized in multiples of 16 bytes): one Triton launch per output dtype on CUDA, the
+    matrices one by one with torch ops elsewhere."""
+
+    def __init__(self, matrices: list[Int8Matrix], device: torch.device) -> None:
+        self.matrices = matrices
+        # Per output dtype: the programs along the largest matrix, and an int32 table with a row
+        # (elements, elements rounded up to 16 bytes of output, columns, q offset, scale offset,
+        # out offset) per matrix, offsets in elements of their buffer.
+        self.launches: list[tuple[torch.dtype, int, torch.Tensor]] = []
+        if device.type != "cuda":
+            return
+        for dtype in dict.fromkeys(m.dtype for m in matrices):
+            vector = 16 // dtype.itemsize
+            table = [
+                (
+                    n,
+                    -(-n // vector) * vector,
+                    n // m.shape[0],
+                    m.q_offset,
+                    m.scale_offset // 4,
+                    m.out_offset // dtype.itemsize,
+                )
+                for m in matrices
+                if m.dtype == dtype
+                for n in [m.shape.numel()]
+            ]
+            if max(max(row[3], row[5]) + row[1] for row in table) >= 2**31:
+                raise ValueError("Int8Matrices: buffers of 2**31 elements or more are not supported")
+            programs = -(-max(row[0] for row in table) // _BLOCK)
+            self.launches.append((dtype, programs, torch.tensor(table, dtype=torch.int32, device=device)))
+
+    def __call__(self, staging: torch.Tensor, out: torch.Tensor) -> None:
+        kernel = _dequantize_kernel() if out.is_cuda and self.launches else None
+        if kernel is None:
+            for m in self.matrices:
+                rows, size = m.shape[0], m.shape.numel()
+                dequantize_int8_(
+                    out[m.out_offset : m.out_offset + size * m.dtype.itemsize].view(m.dtype).view(m.shape),
+                    staging[m.q_offset : m.q_offset + size].view(torch.int8).view(m.shape),
+                    staging[m.scale_offset : m.scale_offset + 4 * rows].view(torch.float32),
+                )
+            return
+        q, scales = staging.view(torch.int8), staging.view(torch.float32)
+        with torch.cuda.device(out.device):
+            for dtype, programs, table in self.launches:
+                kernel[(programs, len(table))](
+                    q, scales, out.view(dtype), table, BLOCK=_BLOCK, VECTOR=16 // dtype.itemsize
+                )
 
 
 _BLOCK = 4096  # elements per program
@@ -36,16 +113,32 @@ _BLOCK = 4096  # elements per program
 
 @functools.cache
 def _dequantize_kernel():
-    """Built on first use: CPU-only installs have no Triton."""
-    import triton
-    import triton.language as tl
+    """`Int8Matrices`' kernel, built on first use: program (i, m) dequantizes elements
+    [i * BLOCK, (i + 1) * BLOCK) of matrix m; programs past a matrix's end do nothing. The
+    elements past a matrix's end up to its 16-byte boundary (padding) get zeros. None
+    without Triton (CPU-only installs, some Windows builds)."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        warn(
+            "Triton is not installed: int8 weights are dequantized with torch ops, one matrix at a time, "
+            "which is much slower (pip install triton)"
+        )
+        return None
 
     @triton.jit
-    def dequantize(q_ptr, scale_ptr, out_ptr, n, columns, BLOCK: tl.constexpr):
-        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offsets < n
-        q = tl.load(q_ptr + offsets, mask=mask).to(tl.float32)
-        scale = tl.load(scale_ptr + offsets // columns, mask=mask)
-        tl.store(out_ptr + offsets, (q * scale).to(out_ptr.dtype.element_ty), mask=mask)
+    def dequantize_table(q_ptr, scale_ptr, out_ptr, table_ptr, BLOCK: tl.constexpr, VECTOR: tl.constexpr):
+        # Alignment hints let loads and stores go 16 bytes at a time: every offset is a multiple of
+        # 16 bytes, and the stores run to the end of the output's 16-byte padding.
+        row = table_ptr + tl.program_id(1) * 6
+        n, n_padded, columns = tl.load(row), tl.multiple_of(tl.load(row + 1), VECTOR), tl.load(row + 2)
+        q_start, scale_start = tl.multiple_of(tl.load(row + 3), 16), tl.load(row + 4)
+        out_start = tl.multiple_of(tl.load(row + 5), VECTOR)
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < n_padded
+        q = tl.load(q_ptr + q_start + offsets, mask=mask).to(tl.float32)
+        scale = tl.load(scale_ptr + scale_start + offsets // columns, mask=offsets < n, other=0.0)
+        tl.store(out_ptr + out_start + offsets, (q * scale).to(out_ptr.dtype.element_ty), mask=mask)
 
-    return dequantize
+    return dequantize_table

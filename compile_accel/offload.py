@@ -41,8 +41,9 @@ keeps them for the recompute) are moved to pinned host memory once the next bloc
 that they leave while weights arrive, and brought back, one block ahead, in backward. Inputs
 shared by neighbouring blocks (timestep embedding, rotary tables) stay. Inputs move by storage:
 views (Flux's single-stream blocks get two slices of one tensor) go with the tensor they view,
-which a view keeps alive, into one host buffer and back into one GPU buffer, layouts kept;
-views of a leaf (a parameter, a buffer, the caller's tensor) stay. Inputs still on the host when
+which a view keeps alive, into one host buffer and back into one GPU buffer, layouts kept.
+Tensors autograd did not make, and views of them, stay: parameters, buffers, the caller's
+tensors, outputs of frozen layers (Flux's first block input). Inputs still on the host when
 their block's next forward starts (a forward whose backward never came) go back then.
 Reentrant checkpoint copies its inputs before any hook could bring them back, so they stay on
 the GPU (with a warning). The model must not read a block's input, or the tensor it views,
@@ -74,7 +75,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .blocks import resolve_block_lists
 from .checkpointing import under_saved_tensor_checkpoint
-from .int8 import dequantize_int8_, quantize_int8
+from .int8 import Int8Matrices, Int8Matrix, quantize_int8
 from .stats import warn
 
 logger = logging.getLogger("compile_accel")
@@ -122,7 +123,9 @@ class _OffloadedStorage:
         for ref, dtype, shape, stride, offset in self.tensors:
             if (tensor := ref()) is not None:
                 whole = storage.numel() // dtype.itemsize * dtype.itemsize  # a storage may end mid-element
-                tensor.data = storage[:whole].view(dtype).as_strided(shape, stride, offset)
+                flat = storage[:whole].view(dtype)
+                # as_strided's offset counts from the start of the storage, not of `flat`.
+                tensor.data = flat.as_strided(shape, stride, flat.storage_offset() + offset)
 
 
 def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -145,20 +148,23 @@ class _Block:
         self.module = module
         self.frozen = [p for p in module.parameters() if not p.requires_grad]
         self.others = [p for p in module.parameters() if p.requires_grad] + list(module.buffers())
-        self.entries: list[_Entry] = []
-        offset = host = ALIGN
-        for p in self.frozen:
-            entry = _Entry(p, offset)
+        self.entries = [
+            _Entry(p, 0, quantize and p.dim() >= 2 and p.is_floating_point() and p.numel() > 0) for p in self.frozen
+        ]
+        # Entries kept as they are come first, at the same offsets in the slot and in the host
+        # blob, so that in int8 mode one copy moves them all out of the staging buffer.
+        offset = ALIGN
+        for entry in (e for e in self.entries if not e.quantized):
+            entry.offset = entry.host_offset = offset
             offset = _aligned(offset + entry.nbytes())
-            if quantize and p.dim() >= 2 and p.is_floating_point():
-                entry.quantized = True
-                entry.host_offset, host = host, _aligned(host + p.numel())
-                entry.scale_offset, host = host, _aligned(host + p.shape[0] * 4)
-            else:
-                entry.host_offset, host = host, _aligned(host + entry.nbytes())
-            self.entries.append(entry)
+        self.unquantized_end = host = offset
+        for entry in (e for e in self.entries if e.quantized):
+            entry.offset, offset = offset, _aligned(offset + entry.nbytes())
+            entry.host_offset, host = host, _aligned(host + entry.param.numel())
+            entry.scale_offset, host = host, _aligned(host + entry.param.shape[0] * 4)
         self.nbytes = offset  # slot bytes
         self.host_nbytes = host
+        self.int8: Int8Matrices | None = None  # int8 mode, streamed: how to dequantize the staging buffer
         self.streamed = False
         self.slot: int | None = None
         self.host: torch.Tensor | None = None  # pinned (or pageable) blob, streamed blocks only
@@ -364,6 +370,13 @@ class LayerOffloadConductor:
             return
         slot = self._slots[block.slot]
         block.device_views = [_view(slot, e.offset, e.param, e.param.dtype) for e in block.entries]
+        if self.offload_dtype == "int8":
+            matrices = [
+                Int8Matrix(e.host_offset, e.scale_offset, e.offset, e.param.shape, e.param.dtype)
+                for e in block.entries
+                if e.quantized
+            ]
+            block.int8 = Int8Matrices(matrices, self.device)
         block.host_views = []
         for entry in block.entries:
             p = entry.param
@@ -510,14 +523,10 @@ class LayerOffloadConductor:
         self.counters["bytes_to_device"] += block.host_nbytes
 
     def _dequantize(self, block: _Block) -> None:
-        staging = self._staging[block.slot]
-        for entry, view in zip(block.entries, block.device_views, strict=True):
-            if entry.quantized:
-                q = _view(staging, entry.host_offset, view, torch.int8)
-                scale = _view(staging, entry.scale_offset, view.shape[:1], torch.float32)
-                dequantize_int8_(view, q, scale)
-            else:
-                view.copy_(_view(staging, entry.host_offset, view, view.dtype))
+        staging, slot = self._staging[block.slot], self._slots[block.slot]
+        if block.unquantized_end > ALIGN:
+            slot[ALIGN : block.unquantized_end].copy_(staging[ALIGN : block.unquantized_end])
+        block.int8(staging, slot)
 
     def _wait(self, block: _Block) -> None:
         """Order the compute stream after the block's copies; int8: dequantize it into its slot."""
@@ -566,15 +575,15 @@ class LayerOffloadConductor:
         if not previous_inputs:
             return
         # Moved by storage: the inputs that share one, and the tensors they are views of, go
-        # together. A storage that a leaf is viewed from (a parameter, a buffer, the caller's
-        # tensor sliced by the model) stays: it outlives the step.
+        # together. A storage behind a tensor autograd did not make (a parameter, a buffer, the
+        # caller's tensor, whole or sliced by the model) stays: someone else holds it.
         previous = self.blocks[self._previous]
         staying = {t.untyped_storage().data_ptr() for t in inputs}
         storages: dict[int, list[torch.Tensor]] = {}
         for tensor in previous_inputs:
             key = tensor.untyped_storage().data_ptr()
             root = tensor if tensor._base is None else tensor._base
-            if (root is not tensor and root.grad_fn is None) or isinstance(root, nn.Parameter):
+            if root.grad_fn is None:
                 staying.add(key)
             if key in staying or not tensor.is_floating_point() or tensor.device != self.device:
                 storages.pop(key, None)

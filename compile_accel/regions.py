@@ -211,6 +211,7 @@ class Region:
         self.recompile_limit = config.recompile_limit
         self.check_outer_checkpoint = config.activation_memory_budget is not None
         self.calls = 0
+        self._tensor_dicts: list[dict[str, torch.Tensor | None]] | None = None
         self.__wrapped__ = self.eager  # inspect.signature(module.forward) still shows the real one
         shared.regions.append(name)
 
@@ -227,10 +228,13 @@ class Region:
         if not inputs:
             return True
         device = inputs[0].device
-        # Looked up on every call: FSDP2 and offloaders replace parameters (holding the old ones
-        # here would also keep a full unsharded copy alive).
-        tensors = (*self.module.parameters(), *self.module.buffers())
-        return all(t.device == device for t in tensors)
+        # The tensors are read on every call: FSDP2 and offloaders replace parameters (holding the
+        # old ones here would also keep a full unsharded copy alive). The dicts that hold them are
+        # gathered once: walking the module tree cost ~0.7 ms per call of a Flux block, more host
+        # time than an offloaded block's GPU time per call.
+        if self._tensor_dicts is None:
+            self._tensor_dicts = [d for m in self.module.modules() for d in (m._parameters, m._buffers)]
+        return all(t is None or t.device == device for d in self._tensor_dicts for t in d.values())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1

@@ -102,6 +102,18 @@ def _cuda_stack(n: int = 6, kind: str = "Stack"):
     return model, reference
 
 
+def _assert_steps_match(model: nn.Module, reference: nn.Module, steps: int, rtol: float) -> None:
+    """LoRA steps on fresh random inputs: loss and LoRA gradients within `rtol` of the reference's."""
+    from test_offload import stack_inputs, step
+
+    for _ in range(steps):
+        inputs = tuple(t.cuda() for t in stack_inputs())
+        loss, grads = step(model, inputs)
+        expected_loss, expected = step(reference, inputs)
+        torch.testing.assert_close(loss, expected_loss, rtol=rtol, atol=1e-6)
+        assert all(relative_error(g, e) < rtol for g, e in zip(grads, expected, strict=True))
+
+
 @pytest.mark.parametrize("kind", ["Stack", "JointStack"])
 def test_streamed_compiled_blocks_match_resident_eager_without_recompiles(monkeypatch, kind: str) -> None:
     """Side-stream copies with prefetch, activation offload (JointStack: inputs that are views of
@@ -121,28 +133,52 @@ def test_streamed_compiled_blocks_match_resident_eager_without_recompiles(monkey
     assert all(b.host.is_pinned() for b in conductor.blocks if b.streamed)
     step(model, tuple(t.cuda() for t in stack_inputs()))
     graphs = acceleration.stats()["unique_graphs"]
-    for _ in range(3):
-        inputs = tuple(t.cuda() for t in stack_inputs())
-        loss, grads = step(model, inputs)
-        expected_loss, expected = step(reference, inputs)
-        torch.testing.assert_close(loss, expected_loss, rtol=1e-4, atol=1e-6)
-        assert all(relative_error(g, e) < 1e-4 for g, e in zip(grads, expected, strict=True))
+    _assert_steps_match(model, reference, steps=3, rtol=1e-4)
     stats = acceleration.stats()
     assert stats["unique_graphs"] == graphs and stats["recompiles"] == 0
     assert stats["eager_nonresident_calls"] == 0
     assert conductor.counters["prefetched_loads"] > 0 and conductor.counters["activation_bytes_offloaded"] > 0
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_int8_dequantize_kernel_equals_the_torch_arithmetic(dtype: torch.dtype) -> None:
-    """The Triton kernel computes q * scale in fp32 and rounds once, as torch.mul does on the CPU."""
-    from compile_accel.int8 import dequantize_int8_, quantize_int8
+def test_int8_kernel_equals_the_torch_arithmetic() -> None:
+    """One launch per output dtype dequantizes every matrix in a staging buffer into its place in
+    an output buffer, computing q * scale in fp32 and rounding once, as torch.mul does on the CPU;
+    the padding up to each matrix's 16-byte boundary gets zeros, other bytes are left alone."""
+    from compile_accel.int8 import Int8Matrices, Int8Matrix, dequantize_int8_, quantize_int8
 
-    weight = torch.randn(300, 7, 5) * torch.logspace(-3, 1, 300)[:, None, None]  # 10,500 elements
-    q, scale = quantize_int8(weight)
-    expected = dequantize_int8_(torch.empty(weight.shape, dtype=dtype), q, scale)
-    actual = dequantize_int8_(torch.empty(weight.shape, dtype=dtype, device="cuda"), q.cuda(), scale.cuda())
-    assert torch.equal(actual.cpu(), expected)
+    shapes = [
+        ((300, 7, 5), torch.bfloat16),
+        ((9, 4100), torch.float16),
+        ((3, 16), torch.bfloat16),
+        ((70,), torch.float32),
+    ]
+    staging, out = torch.zeros(1 << 18, dtype=torch.uint8), torch.full((1 << 18,), 7, dtype=torch.uint8)
+    matrices, expected, q_at, out_at = [], [], 16, 32
+    for shape, dtype in shapes:
+        weight = torch.randn(shape) * torch.logspace(-3, 1, shape[0]).reshape(-1, *[1] * (len(shape) - 1))
+        q, scale = quantize_int8(weight)
+        scale_at = q_at + (q.numel() + 15) // 16 * 16
+        staging[q_at : q_at + q.numel()].view(torch.int8).copy_(q.flatten())
+        staging[scale_at : scale_at + 4 * scale.numel()].view(torch.float32).copy_(scale)
+        matrices.append(Int8Matrix(q_at, scale_at, out_at, torch.Size(shape), dtype))
+        expected.append(dequantize_int8_(torch.empty(shape, dtype=dtype), q, scale))
+        q_at = scale_at + (4 * scale.numel() + 15) // 16 * 16
+        out_at += (q.numel() * dtype.itemsize + 15) // 16 * 16 + 16
+    plan = Int8Matrices(matrices, torch.device("cuda"))
+    assert len(plan.launches) == 3
+    result = out.cuda()
+    plan(staging.cuda(), result)
+    result = result.cpu()
+    written = torch.zeros_like(result, dtype=torch.bool)
+    for m, values in zip(matrices, expected, strict=True):
+        end, padded = (
+            m.out_offset + values.numel() * values.element_size(),
+            (values.numel() * values.element_size() + 15) // 16 * 16,
+        )
+        assert torch.equal(result[m.out_offset : end].view(m.dtype).view(m.shape), values)
+        assert (result[end : m.out_offset + padded] == 0).all()  # up to the 16-byte boundary
+        written[m.out_offset : m.out_offset + padded] = True
+    assert (result[~written] == 7).all()
 
 
 def test_int8_streaming_on_cuda_halves_bytes_with_small_error() -> None:
@@ -159,6 +195,28 @@ def test_int8_streaming_on_cuda_halves_bytes_with_small_error() -> None:
     with torch.no_grad():
         error = relative_error(model(x, cond).float(), reference(x, cond).float())
     assert 0 < error < 2e-2
+
+
+def test_int8_streamed_training_equals_a_run_on_the_dequantized_weights(monkeypatch) -> None:
+    """int8 streaming with prefetch in both directions, activation offload and backward: the
+    LoRA gradients of a resident eager run whose streamed blocks' frozen matrices went through the
+    same int8 round trip (computed by torch ops here); detach() hands back exactly those weights."""
+
+    from compile_accel import LayerOffloadConductor, offload
+    from compile_accel.int8 import dequantize_int8_, quantize_int8
+
+    monkeypatch.setattr(offload, "MIN_ACTIVATION_BYTES", 0)
+    model, reference = _cuda_stack()
+    conductor = LayerOffloadConductor(offload_fraction=0.67, activation_offload=True, offload_dtype="int8")
+    conductor.attach(model.blocks)
+    for block, twin in zip(conductor.blocks, reference.blocks, strict=True):
+        for p in twin.parameters():
+            if block.streamed and not p.requires_grad and p.dim() >= 2:  # resident blocks keep their weights
+                p.data = dequantize_int8_(torch.empty_like(p), *quantize_int8(p.data))
+    _assert_steps_match(model, reference, steps=2, rtol=1e-5)
+    assert conductor.counters["prefetched_loads"] > 0 and conductor.counters["activation_bytes_offloaded"] > 0
+    conductor.detach()
+    assert all(torch.equal(p, e) for p, e in zip(model.parameters(), reference.parameters(), strict=True))
 
 
 class _Swapped(nn.Module):

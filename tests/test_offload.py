@@ -200,10 +200,10 @@ def test_activation_offload_moves_checkpointed_inputs_and_brings_them_back(monke
     expected_loss, expected = step(reference, inputs)
     assert torch.equal(loss, expected_loss)
     assert all(torch.equal(g, e) for g, e in zip(grads, expected, strict=True))
-    # The inputs of blocks 0..3, not the shared `cond`; block 4's stay (backward needs them first),
-    # block 5's were never left behind.
+    # The inputs of blocks 1..3, not the shared `cond`; block 0's is the caller's tensor, block 4's
+    # stay (backward needs them first), block 5's were never left behind.
     per_input = inputs[0].numel() * inputs[0].element_size()
-    assert conductor.counters["activation_bytes_offloaded"] == 4 * per_input
+    assert conductor.counters["activation_bytes_offloaded"] == 3 * per_input
 
 
 class JointBlock(Block):
@@ -283,6 +283,26 @@ def test_int8_round_trip_error_is_within_half_a_step() -> None:
     assert q.dtype == torch.int8 and scale.shape == (64,)
     restored = dequantize_int8_(torch.empty_like(weight), q, scale)
     assert ((restored - weight).abs() <= scale[:, None] / 2 + 1e-7).all()
+    vector = torch.randn(40)  # one row per element
+    q, scale = quantize_int8(vector)
+    assert torch.allclose(dequantize_int8_(torch.empty_like(vector), q, scale), vector, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "out, q, scale",
+    [
+        (torch.zeros(8, 6), torch.ones(8, 6, dtype=torch.int8), torch.ones(6)),  # a scale per column
+        (torch.zeros(8, 6), torch.ones(8, 6), torch.ones(8)),  # q not int8
+        (torch.zeros(8, 6, dtype=torch.int32), torch.ones(8, 6, dtype=torch.int8), torch.ones(8)),
+        (torch.zeros(6, 8).t(), torch.ones(8, 6, dtype=torch.int8), torch.ones(8)),  # out not contiguous
+        (torch.zeros(()), torch.ones((), dtype=torch.int8), torch.ones(())),
+    ],
+)
+def test_int8_dequantize_rejects_bad_tensors_and_writes_nothing(out, q, scale) -> None:
+    before = out.clone()
+    with pytest.raises(ValueError, match="dequantize_int8_ needs"):
+        dequantize_int8_(out, q, scale)
+    assert torch.equal(out, before)
 
 
 def test_int8_streaming_halves_bytes_and_keeps_lora_exact() -> None:
@@ -432,16 +452,25 @@ def test_activation_offload_every_step_and_no_leak_from_forwards_without_backwar
         per_step.append(conductor.counters["activation_bytes_offloaded"] - before)
     assert per_step[0] == per_step[1] > 0
     first = len(allocations)
-    held = stack_inputs()  # the caller keeps this input (block 0's), which goes to the host
-    values = held[0].detach().clone()
-    for _ in range(3):  # e.g. a skipped step: its graph is dropped without backward
+    held = stack_inputs()  # the caller's tensors: they never leave, not even between blocks
+    storages = [t.untyped_storage().data_ptr() for t in held]
+    kept = []  # block 1's input from one dropped forward, kept alive: it went to the host
+    hook = model.blocks[1].register_forward_pre_hook(lambda module, args: kept.append(args[0]) if not kept else None)
+    for i in range(3):  # e.g. a skipped step: its graph is dropped without backward
         model(*held).sum()
+        assert [t.untyped_storage().data_ptr() for t in held] == storages
+        if i == 0:
+            hook.remove()
+            values = kept[0].detach().clone()  # read through the host buffer
+            assert kept[0].untyped_storage().data_ptr() in {
+                stored.buffer.untyped_storage().data_ptr() for stored in conductor.blocks[1].offloaded
+            }
         model(*stack_inputs()).sum()
     step(model, stack_inputs())
     assert len(allocations) == first  # the dropped forwards' buffers were reused
     assert all(len(b.offloaded) == 0 for b in conductor.blocks)
     buffers = {b.untyped_storage().data_ptr() for block in conductor.blocks for b in block.free_buffers}
-    assert held[0].untyped_storage().data_ptr() not in buffers and torch.equal(held[0], values)
+    assert kept[0].untyped_storage().data_ptr() not in buffers and torch.equal(kept[0], values)
 
 
 def test_trainer_driven_visits_without_hooks() -> None:
