@@ -51,8 +51,9 @@ after the next block has started (true for plain block loops).
 
 offload_dtype="int8": streamed frozen weight matrices are stored as per-row symmetric int8
 plus an fp32 scale per row (the host copy is lossy; the bf16 originals are dropped), sent as
-int8 into a staging buffer and dequantized into the block's slot on the compute stream just before
-the block runs (one fused kernel per matrix), so copies never wait behind dequantize kernels.
+int8 into the slot's staging buffer and dequantized into the slot on the compute stream just
+before the block runs (one kernel launch per block). A copy waits only for the last dequantize
+out of its staging buffer, never for compute, so the copy engine runs two blocks ahead.
 
 While attached, a streamed block's frozen parameters are views of its slot (when loaded) or of
 host memory (when not); in int8 mode an unloaded one reads as zeros. Trainable parameters are
@@ -172,7 +173,6 @@ class _Block:
         self.device_views: list[torch.Tensor] = []
         self.host_views: list[torch.Tensor] = []
         self.loaded: torch.cuda.Event | None = None  # copy into the slot, not yet waited for
-        self.staged = False  # int8: the copy landed in the slot's staging buffer, not dequantized yet
         # Offloaded inputs, referenced weakly: a forward that never gets its backward leaves
         # nothing alive here.
         self.offloaded: list[_OffloadedStorage] = []
@@ -243,7 +243,8 @@ class LayerOffloadConductor:
         self._slots: list[torch.Tensor] = []
         self._staging: list[torch.Tensor] = []  # int8 mode: where the host blob lands before dequantizing
         self._staging_read: list[torch.cuda.Event | None] = []  # int8: the last dequantize out of each
-        self._occupant: list[_Block | None] = []
+        self._staged: list[_Block | None] = []  # int8: the block in each staging buffer, not dequantized yet
+        self._occupant: list[_Block | None] = []  # the block each slot holds (int8: dequantized)
         self._hooks: list[RemovableHandle] = []
         self._original_devices: dict[int, torch.device] = {}  # parameters' and buffers' at attach
         # Copies to the GPU (weights, inputs coming back) and to the host (inputs leaving) run on
@@ -309,6 +310,7 @@ class LayerOffloadConductor:
             raise
         self.blocks = plan
         self._occupant = [None] * len(self._slots)
+        self._staged = [None] * len(self._slots)
         if hooks:
             for block in plan:
                 self._hooks.append(
@@ -413,7 +415,7 @@ class LayerOffloadConductor:
             block.module.__dict__.pop(_MARK, None)
         self.synchronize()
         self.blocks, self._hooks, self._slots, self._staging, self._occupant = [], [], [], [], []
-        self._staging_read = []
+        self._staging_read, self._staged = [], []
         self._last = self._previous = None
         self._checkpointed_inputs = []
 
@@ -450,8 +452,9 @@ class LayerOffloadConductor:
             self._bring_back(self.blocks[upcoming[0]], prefetch=True)
         # Prefetch the next streamed blocks into the slots that no block still to come before
         # them holds: one ahead from a streamed block, two from a resident one (whose compute
-        # then overlaps copies, as the resident blocks are spread among the streamed ones).
-        claimed = {block.slot} if block.streamed else set()
+        # then overlaps copies, as the resident blocks are spread among the streamed ones). int8
+        # prefetches into staging buffers, and this block's is free once it is dequantized: two.
+        claimed = {block.slot} if block.streamed and self.offload_dtype != "int8" else set()
         for ahead in (self.blocks[i] for i in upcoming):
             if not ahead.streamed:
                 continue
@@ -497,30 +500,37 @@ class LayerOffloadConductor:
     # ---- weights -----------------------------------------------------------------------
 
     def _load(self, block: _Block, prefetch: bool = False) -> None:
-        if self._occupant[block.slot] is block:
+        """Start copying the block's weights to the GPU: into its slot, evicting the slot's block;
+        int8: into the slot's staging buffer, and `_wait` dequantizes them into the slot."""
+        if block in (self._occupant[block.slot], self._staged[block.slot]):
             return
-        previous = self._occupant[block.slot]
-        if previous is not None:
-            previous.bind(previous.host_views)
-            previous.loaded, previous.staged = None, False
-        self._occupant[block.slot] = block
         if self.offload_dtype == "int8":
-            # The int8 blob lands in the slot's staging buffer and is dequantized into the slot on
-            # the compute stream just before the block runs (`_wait`), in order after the slot's
-            # previous occupant. So the copy waits only for the last dequantize out of that buffer:
-            # the copy engine never idles behind dequantize kernels or the previous block's compute.
+            # The copy waits only for the last dequantize out of that buffer, not for the compute
+            # of the slot's block (which may not have run yet): the copy engine gets up to two
+            # blocks ahead of the compute, so it keeps going while the host is slower than a copy.
+            replaced, self._staged[block.slot] = self._staged[block.slot], block
+            if replaced is not None:
+                replaced.loaded = None  # a prefetch that was never used
             target, after = self._staging[block.slot][: block.host_nbytes], self._staging_read[block.slot]
             self._copy(block.host, target, self._to_device, after, behind_compute=False)
-            block.staged = True
         else:
             # Straight into the slot, behind the work enqueued so far (the previous occupant's).
+            self._occupy(block)
             self._copy(block.host, self._slots[block.slot][: block.nbytes], self._to_device, None)
         if self._to_device is not None:
             block.loaded = self._to_device.record_event()
-        block.bind(block.device_views)
         self.counters["loads"] += 1
         self.counters["prefetched_loads"] += prefetch
         self.counters["bytes_to_device"] += block.host_nbytes
+
+    def _occupy(self, block: _Block) -> None:
+        """Give the block its slot: the slot's previous block points at its host copy again."""
+        previous = self._occupant[block.slot]
+        if previous is not None:
+            previous.bind(previous.host_views)
+            previous.loaded = None
+        self._occupant[block.slot] = block
+        block.bind(block.device_views)
 
     def _dequantize(self, block: _Block) -> None:
         staging, slot = self._staging[block.slot], self._slots[block.slot]
@@ -535,9 +545,11 @@ class LayerOffloadConductor:
             if event is not None:
                 stream.wait_event(event)
         block.loaded = block.activations_back = None
-        if block.staged:
+        if block.streamed and self._staged[block.slot] is block:
+            # On the compute stream, so after the slot's previous block has run.
+            self._staged[block.slot] = None
+            self._occupy(block)
             self._dequantize(block)
-            block.staged = False
             if self._to_device is not None:
                 self._staging_read[block.slot] = stream.record_event()
 

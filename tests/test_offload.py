@@ -161,6 +161,34 @@ def test_resident_blocks_are_the_smallest_spread_out_and_prefetch_two_ahead() ->
     assert held_at == {4: [5, 7], 6: [5, 7]}  # at block 4: blocks 5 and 7 on their way
 
 
+def test_int8_copies_two_blocks_ahead_and_keeps_the_running_one() -> None:
+    """int8: from a streamed block the next two are copied into the staging buffers while the slots
+    still hold the running block; each is dequantized into its slot when its turn comes."""
+    blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(6)).requires_grad_(False)
+    expected = [dequantize_int8_(torch.empty(16, 16), *quantize_int8(b.weight)) for b in blocks]
+    conductor = LayerOffloadConductor(offload_fraction=1.0, device="cpu", offload_dtype="int8").attach(blocks)
+    seen = {}
+
+    def record(index: int):
+        def hook(module: nn.Module, args: tuple) -> None:
+            staged = sorted(b.index for b in conductor._staged if b is not None)
+            seen[index] = (
+                staged,
+                index in conductor.resident_streamed_blocks(),
+                torch.equal(module.weight, expected[index]),
+            )
+
+        return hook
+
+    for index, block in enumerate(blocks):
+        block.register_forward_pre_hook(record(index))
+    with torch.no_grad():
+        x = torch.randn(2, 16)
+        for block in blocks:
+            x = block(x)
+    assert [seen[i] for i in range(4)] == [([i + 1, i + 2], True, True) for i in range(4)]
+
+
 def test_inner_checkpoint_and_compiled_blocks_stream_without_recompiles() -> None:
     """The trainer-style checkpoint inside each block's forward, blocks compiled: swapping
     weights through the slots compiles nothing new after the first step, the regions run
