@@ -71,8 +71,15 @@ class Int8Matrices:
             return
         groups: dict[tuple[torch.dtype, bool], list[tuple[int, ...]]] = {}
         for m in matrices:
+            if (m.q_offset | m.scale_offset | m.out_offset) % 16:
+                raise ValueError(f"Int8Matrices: offsets must be multiples of 16 bytes, got {m}")
             rows, columns = m.shape[0], m.shape.numel() // m.shape[0]
-            if max(m.q_offset, m.out_offset // m.dtype.itemsize) + rows * columns >= 2**31:
+            ends = (
+                m.q_offset + rows * columns,
+                m.scale_offset // 4 + rows,
+                m.out_offset // m.dtype.itemsize + rows * columns,
+            )
+            if max(ends) >= 2**31:  # the kernel indexes in int32
                 raise ValueError("Int8Matrices: buffers of 2**31 elements or more are not supported")
             row = (rows, columns, m.q_offset, m.scale_offset // 4, m.out_offset // m.dtype.itemsize)
             groups.setdefault((m.dtype, columns % 16 == 0), []).append(row)
@@ -95,7 +102,14 @@ class Int8Matrices:
         with torch.cuda.device(out.device):
             for dtype, rows_of_16, programs, table in self.launches:
                 kernel[(programs, len(table))](
-                    q, scales, out.view(dtype), table, ROWS=_ROWS, COLUMNS=_COLUMNS, ROWS_OF_16=rows_of_16
+                    q,
+                    scales,
+                    out.view(dtype),
+                    table,
+                    ROWS=_ROWS,
+                    COLUMNS=_COLUMNS,
+                    ROWS_OF_16=rows_of_16,
+                    OUT_VECTOR=16 // dtype.itemsize,
                 )
 
 
@@ -120,15 +134,26 @@ def _dequantize_kernel():
 
     @triton.jit
     def dequantize_rows(
-        q_ptr, scale_ptr, out_ptr, table_ptr, ROWS: tl.constexpr, COLUMNS: tl.constexpr, ROWS_OF_16: tl.constexpr
+        q_ptr,
+        scale_ptr,
+        out_ptr,
+        table_ptr,
+        ROWS: tl.constexpr,
+        COLUMNS: tl.constexpr,
+        ROWS_OF_16: tl.constexpr,
+        OUT_VECTOR: tl.constexpr,
     ):
         entry = table_ptr + tl.program_id(1) * 5
         rows, columns = tl.load(entry), tl.load(entry + 1)
         if tl.program_id(0) * ROWS >= rows:
             return
-        if ROWS_OF_16:  # then every row starts 16-byte aligned: loads and stores move 16 bytes
+        # Every matrix starts at a multiple of 16 bytes (checked when the table is built); with rows
+        # of whole 16-element runs every row does too, so loads and stores can move 16 bytes.
+        q_start = tl.multiple_of(tl.load(entry + 2), 16)
+        scale_start = tl.load(entry + 3)
+        out_start = tl.multiple_of(tl.load(entry + 4), OUT_VECTOR)  # 16 bytes of out's dtype
+        if ROWS_OF_16:
             columns = tl.multiple_of(columns, 16)
-        q_start, scale_start, out_start = tl.load(entry + 2), tl.load(entry + 3), tl.load(entry + 4)
         row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         row_mask = row < rows
         scale = tl.load(scale_ptr + scale_start + row, mask=row_mask)[:, None]

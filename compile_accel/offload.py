@@ -18,12 +18,12 @@ counted in `Acceleration.stats()["eager_nonresident_calls"]`.
 Order and overlap: each block call is a visit. The conductor predicts the next visit from the
 direction of the last two (forward ascends; with checkpointing, backward recomputes blocks in
 descending order) and starts copying the next streamed block on a side stream while the
-current block computes (from a resident block, the next two: both slots are free then).
-Measured with Flux at 1024x1024 the copy stream was otherwise idle for the length of the
-resident blocks' compute when they sat together at the end. Events order the streams: a copy
-into a slot waits for the work enqueued before
-it (which includes the slot's previous block), and a block's compute waits for its copy. A
-wrong guess costs a copy on demand, never correctness.
+current block computes (from a resident block the next two, both slots being free then; in
+int8 mode always two, see below). Measured with Flux at 1024x1024 the copy stream was
+otherwise idle for the length of the resident blocks' compute when they sat together at the
+end. Events order the streams: a copy into a slot waits for the work enqueued before it (which
+includes the slot's previous block), and a block's compute waits for its copy. A wrong guess
+costs a copy on demand, never correctness.
 
 Backward: autograd may hold a streamed block's weights (saved for backward, or read by a
 checkpoint's recompute) after the block has left its slot. So after each block's forward the
@@ -172,7 +172,7 @@ class _Block:
         self.home: torch.Tensor | None = None  # GPU buffer of a block that stays resident
         self.device_views: list[torch.Tensor] = []
         self.host_views: list[torch.Tensor] = []
-        self.loaded: torch.cuda.Event | None = None  # copy into the slot, not yet waited for
+        self.loaded: torch.cuda.Event | None = None  # copy into the slot (int8: staging), not yet waited for
         # Offloaded inputs, referenced weakly: a forward that never gets its backward leaves
         # nothing alive here.
         self.offloaded: list[_OffloadedStorage] = []
@@ -193,7 +193,7 @@ class LayerOffloadConductor:
         on the GPU, 1.0 streams all. The ones that stay are the smallest, spread evenly.
     device: the compute device (default: the current CUDA device). "cpu" runs the same
         bookkeeping with plain copies, for tests and debugging.
-    async_transfers: copy on a side CUDA stream, the next block while the current computes
+    async_transfers: copy on a side CUDA stream, the next blocks while the current computes
         (in forward and in backward's reverse order); False copies on the compute stream.
     activation_offload: move checkpointed block inputs to host memory between their forward
         and their recompute (non-reentrant checkpointing only; see the module docstring).

@@ -13,6 +13,7 @@ not be compiled.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 from typing import Any, Callable
@@ -199,6 +200,23 @@ def _under_outer_checkpoint(module: nn.Module) -> bool:
     return (module.training and not torch.is_grad_enabled()) or under_saved_tensor_checkpoint()
 
 
+_module_tree_changes = [0]  # registrations of a child, parameter or buffer in any module
+
+
+def _count_module_tree_change(module: nn.Module, name: str, value: Any) -> None:
+    _module_tree_changes[0] += 1
+
+
+@functools.cache
+def _watch_module_trees() -> None:
+    """Installed once per process: torch's global registration hooks count tree changes."""
+    from torch.nn.modules import module as module_hooks
+
+    module_hooks.register_module_module_registration_hook(_count_module_tree_change)
+    module_hooks.register_module_parameter_registration_hook(_count_module_tree_change)
+    module_hooks.register_module_buffer_registration_hook(_count_module_tree_change)
+
+
 class Region:
     """One module whose forward is dispatched to a shared CompiledFunction."""
 
@@ -211,7 +229,9 @@ class Region:
         self.recompile_limit = config.recompile_limit
         self.check_outer_checkpoint = config.activation_memory_budget is not None
         self.calls = 0
-        self._tensor_dicts: list[dict[str, torch.Tensor | None]] | None = None
+        self._tensor_dicts: list[dict[str, torch.Tensor | None]] = []
+        self._tensor_dicts_generation = -1
+        _watch_module_trees()
         self.__wrapped__ = self.eager  # inspect.signature(module.forward) still shows the real one
         shared.regions.append(name)
 
@@ -228,12 +248,13 @@ class Region:
         if not inputs:
             return True
         device = inputs[0].device
-        # The tensors are read on every call: FSDP2 and offloaders replace parameters (holding the
-        # old ones here would also keep a full unsharded copy alive). The dicts that hold them are
-        # gathered once: walking the module tree cost ~0.7 ms per call of a Flux block, more host
-        # time than an offloaded block's GPU time per call.
-        if self._tensor_dicts is None:
+        # The tensors are read on every call: FSDP2 and offloaders replace parameters. The dicts
+        # that hold them are gathered again only after a module somewhere registered a child,
+        # parameter or buffer (LoRA injected after the first call): walking the module tree on
+        # every call cost ~0.7 ms per Flux block, more host time than an offloaded block's GPU time.
+        if self._tensor_dicts_generation != _module_tree_changes[0]:
             self._tensor_dicts = [d for m in self.module.modules() for d in (m._parameters, m._buffers)]
+            self._tensor_dicts_generation = _module_tree_changes[0]
         return all(t is None or t.device == device for d in self._tensor_dicts for t in d.values())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -79,7 +79,8 @@ class _LinearStack(nn.Module):
 def test_region_runs_eager_while_not_resident() -> None:
     """Inputs on another device than the region's weights (meta here, the GPU while an
     offloader holds the weights in host memory): the region runs its eager forward and
-    counts it; nothing compiles. Back on one device, it runs compiled."""
+    counts it; nothing compiles. Back on one device, it runs compiled, until a tensor registered
+    later lives elsewhere."""
     model = _LinearStack()
     acceleration = compile_accel.apply(model, CompileConfig(mode="blocks", backend="aot_eager"))
     out = model(torch.empty(2, 8, device="meta"))
@@ -89,6 +90,12 @@ def test_region_runs_eager_while_not_resident() -> None:
     model(torch.randn(2, 8))
     stats = acceleration.stats()
     assert stats["eager_nonresident_calls"] == 2 and stats["unique_graphs"] == 1
+    # A child registered after the region's first calls (as LoRA injected late would be) is seen.
+    elsewhere = nn.Module()
+    elsewhere.register_buffer("state", torch.zeros(1, device="meta"))
+    model.blocks[0][0].elsewhere = elsewhere
+    model(torch.randn(2, 8))
+    assert acceleration.stats()["eager_nonresident_calls"] == 3
 
 
 def test_train_eval_and_to_still_work() -> None:

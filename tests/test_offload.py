@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 import compile_accel
 from compile_accel import CompileConfig, offload
-from compile_accel.int8 import dequantize_int8_, quantize_int8
+from compile_accel.int8 import Int8Matrices, Int8Matrix, dequantize_int8_, quantize_int8
 from compile_accel.offload import LayerOffloadConductor
 
 DIM, TOKENS = 32, 16
@@ -189,6 +189,26 @@ def test_int8_copies_two_blocks_ahead_and_keeps_the_running_one() -> None:
     assert [seen[i] for i in range(4)] == [([i + 1, i + 2], True, True) for i in range(4)]
 
 
+def test_int8_mispredicted_copies_are_replaced_and_results_stay_exact() -> None:
+    """A pass without backward in training mode makes the conductor expect backward next; the
+    next forward starts over instead, so staged copies get replaced. Loss and LoRA gradients stay
+    those of the same blocks holding the int8 round trip of their weights."""
+    reference = Stack(n=6)
+    model = copy_of(reference)
+    conductor = LayerOffloadConductor(offload_fraction=1.0, device="cpu", offload_dtype="int8").attach(model.blocks)
+    for p in reference.blocks.parameters():  # every block streams: every frozen matrix is int8
+        if not p.requires_grad and p.dim() >= 2:
+            p.data = dequantize_int8_(torch.empty_like(p), *quantize_int8(p.data))
+    x, cond = stack_inputs()
+    with torch.no_grad():
+        model(x, cond)
+    assert {b.index for b in conductor._staged if b is not None} - {0, 1}  # staged for a backward
+    loss, grads = step(model, (x, cond))
+    expected_loss, expected = step(reference, (x, cond))
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=0)
+    assert all(torch.allclose(g, e, rtol=1e-6, atol=0) for g, e in zip(grads, expected, strict=True))
+
+
 def test_inner_checkpoint_and_compiled_blocks_stream_without_recompiles() -> None:
     """The trainer-style checkpoint inside each block's forward, blocks compiled: swapping
     weights through the slots compiles nothing new after the first step, the regions run
@@ -331,6 +351,18 @@ def test_int8_dequantize_rejects_bad_tensors_and_writes_nothing(out, q, scale) -
     with pytest.raises(ValueError, match="dequantize_int8_ needs"):
         dequantize_int8_(out, q, scale)
     assert torch.equal(out, before)
+
+
+@pytest.mark.parametrize(
+    "matrix, error",
+    [
+        (Int8Matrix(24, 64, 16, torch.Size([4, 4]), torch.bfloat16), "multiples of 16"),
+        (Int8Matrix(2**31 - 16, 16, 32, torch.Size([4, 4]), torch.bfloat16), "2\\*\\*31"),
+    ],
+)
+def test_int8_matrices_reject_offsets_the_kernel_cannot_address(matrix: Int8Matrix, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        Int8Matrices([matrix], torch.device("cuda"))  # checked before anything is allocated
 
 
 def test_int8_streaming_halves_bytes_and_keeps_lora_exact() -> None:
