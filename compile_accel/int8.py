@@ -8,6 +8,7 @@ step at 1024x1024 was host-bound)."""
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,14 @@ def dequantize_int8_(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) ->
     rows = out.shape[0]
     torch.mul(q.reshape(rows, -1), scale[:, None], out=out.view(rows, -1))
     return out
+
+
+def view_bytes(buffer: torch.Tensor, offset: int, like: torch.Tensor | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """The bytes of a flat uint8 `buffer` from `offset` on, as a contiguous tensor of `like`'s
+    shape (a tensor or a size) and `dtype`."""
+    shape = like.shape if isinstance(like, torch.Tensor) else like
+    nbytes = math.prod(shape) * dtype.itemsize
+    return buffer[offset : offset + nbytes].view(dtype).view(shape)
 
 
 @dataclass(frozen=True)
@@ -91,11 +100,10 @@ class Int8Matrices:
         kernel = _dequantize_kernel() if out.is_cuda and self.launches else None
         if kernel is None:
             for m in self.matrices:
-                rows, size = m.shape[0], m.shape.numel()
                 dequantize_int8_(
-                    out[m.out_offset : m.out_offset + size * m.dtype.itemsize].view(m.dtype).view(m.shape),
-                    staging[m.q_offset : m.q_offset + size].view(torch.int8).view(m.shape),
-                    staging[m.scale_offset : m.scale_offset + 4 * rows].view(torch.float32),
+                    view_bytes(out, m.out_offset, m.shape, m.dtype),
+                    view_bytes(staging, m.q_offset, m.shape, torch.int8),
+                    view_bytes(staging, m.scale_offset, m.shape[:1], torch.float32),
                 )
             return
         q, scales = staging.view(torch.int8), staging.view(torch.float32)

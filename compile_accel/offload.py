@@ -63,7 +63,6 @@ never touched, so saving LoRA weights is safe; for the base weights call `detach
 from __future__ import annotations
 
 import logging
-import math
 import time
 import weakref
 from collections.abc import Iterator, Sequence
@@ -76,7 +75,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .blocks import resolve_block_lists
 from .checkpointing import under_saved_tensor_checkpoint
-from .int8 import Int8Matrices, Int8Matrix, quantize_int8
+from .int8 import Int8Matrices, Int8Matrix, quantize_int8, view_bytes
 from .stats import warn
 
 logger = logging.getLogger("compile_accel")
@@ -132,12 +131,6 @@ class _OffloadedStorage:
 def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The whole storage behind `tensor`, as a flat uint8 tensor."""
     return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
-
-
-def _view(buffer: torch.Tensor, offset: int, like: torch.Tensor | torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    shape = like.shape if isinstance(like, torch.Tensor) else like
-    nbytes = math.prod(shape) * dtype.itemsize
-    return buffer[offset : offset + nbytes].view(dtype).view(shape)
 
 
 class _Block:
@@ -365,13 +358,13 @@ class LayerOffloadConductor:
     def _fill(self, block: _Block) -> None:
         """Copy the block's frozen weights into their new home and point the parameters there."""
         if not block.streamed:
-            block.device_views = [_view(block.home, e.offset, e.param, e.param.dtype) for e in block.entries]
+            block.device_views = [view_bytes(block.home, e.offset, e.param, e.param.dtype) for e in block.entries]
             for entry, view in zip(block.entries, block.device_views, strict=True):
                 view.copy_(entry.param.data)
             block.bind(block.device_views)
             return
         slot = self._slots[block.slot]
-        block.device_views = [_view(slot, e.offset, e.param, e.param.dtype) for e in block.entries]
+        block.device_views = [view_bytes(slot, e.offset, e.param, e.param.dtype) for e in block.entries]
         if self.offload_dtype == "int8":
             matrices = [
                 Int8Matrix(e.host_offset, e.scale_offset, e.offset, e.param.shape, e.param.dtype)
@@ -384,12 +377,12 @@ class LayerOffloadConductor:
             p = entry.param
             if entry.quantized:
                 q, scale = quantize_int8(p.data)
-                _view(block.host, entry.host_offset, q, torch.int8).copy_(q)
-                _view(block.host, entry.scale_offset, scale, torch.float32).copy_(scale)
+                view_bytes(block.host, entry.host_offset, q, torch.int8).copy_(q)
+                view_bytes(block.host, entry.scale_offset, scale, torch.float32).copy_(scale)
                 # The bf16 original is dropped; while evicted the parameter is an empty placeholder.
                 block.host_views.append(torch.zeros((), dtype=p.dtype).expand(p.shape))
             else:
-                view = _view(block.host, entry.host_offset, p, p.dtype)
+                view = view_bytes(block.host, entry.host_offset, p, p.dtype)
                 view.copy_(p.data)
                 block.host_views.append(view)
         block.bind(block.host_views)
