@@ -199,18 +199,17 @@ def test_int8_streamed_training_equals_a_run_on_the_dequantized_weights(monkeypa
     """int8 streaming with prefetch in both directions, activation offload and backward: the
     LoRA gradients of a resident eager run whose streamed blocks' frozen matrices went through the
     same int8 round trip (computed by torch ops here); detach() hands back exactly those weights."""
+    from test_offload import int8_round_trip_
 
     from compile_accel import LayerOffloadConductor, offload
-    from compile_accel.int8 import dequantize_int8_, quantize_int8
 
     monkeypatch.setattr(offload, "MIN_ACTIVATION_BYTES", 0)
     model, reference = _cuda_stack()
     conductor = LayerOffloadConductor(offload_fraction=0.67, activation_offload=True, offload_dtype="int8")
     conductor.attach(model.blocks)
     for block, twin in zip(conductor.blocks, reference.blocks, strict=True):
-        for p in twin.parameters():
-            if block.streamed and not p.requires_grad and p.dim() >= 2:  # resident blocks keep their weights
-                p.data = dequantize_int8_(torch.empty_like(p), *quantize_int8(p.data))
+        if block.streamed:  # resident blocks keep their weights
+            int8_round_trip_(twin)
     _assert_steps_match(model, reference, steps=2, rtol=1e-5)
     assert conductor.counters["prefetched_loads"] > 0 and conductor.counters["activation_bytes_offloaded"] > 0
     conductor.detach()

@@ -70,6 +70,13 @@ def copy_of(model: Stack) -> Stack:
     return twin
 
 
+def int8_round_trip_(module: nn.Module) -> None:
+    """Give the module's frozen matrices the values the conductor streams in int8 mode."""
+    for p in module.parameters():
+        if not p.requires_grad and p.dim() >= 2:
+            p.data = dequantize_int8_(torch.empty_like(p), *quantize_int8(p.data))
+
+
 def step(model: nn.Module, inputs: tuple) -> tuple[torch.Tensor, list[torch.Tensor]]:
     x, cond = inputs
     x = x.detach().requires_grad_(True)
@@ -196,9 +203,7 @@ def test_int8_mispredicted_copies_are_replaced_and_results_stay_exact() -> None:
     reference = Stack(n=6)
     model = copy_of(reference)
     conductor = LayerOffloadConductor(offload_fraction=1.0, device="cpu", offload_dtype="int8").attach(model.blocks)
-    for p in reference.blocks.parameters():  # every block streams: every frozen matrix is int8
-        if not p.requires_grad and p.dim() >= 2:
-            p.data = dequantize_int8_(torch.empty_like(p), *quantize_int8(p.data))
+    int8_round_trip_(reference.blocks)  # every block streams: every frozen matrix is int8
     x, cond = stack_inputs()
     with torch.no_grad():
         model(x, cond)
