@@ -310,6 +310,8 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
     # FLOPs are counted on a step without checkpointing, which an offloaded model has no room for.
     flops = step_flops(bench) if device == "cuda" and spec.offload is None else None
     bf16_output = _inference_output(bench, device) if spec.offload is not None and spec.offload.int8 else None
+    # The int8 output is taken with these LoRA weights too, so that training does not count as error.
+    lora_before = [p.detach().clone() for p in bench.lora_params] if bf16_output is not None else []
     if spec.checkpointing:
         bench.enable_checkpointing()
     config = dataclasses.replace(spec.config, exclude=bench.exclude)
@@ -385,6 +387,9 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
             "transfer_only_s": transfer_only_seconds(conductor),
         }
         if bf16_output is not None:
+            with torch.no_grad():
+                for param, before in zip(bench.lora_params, lora_before, strict=True):
+                    param.copy_(before)
             output = _inference_output(bench, device)
             stats["offload"]["int8_output_rel_error"] = ((output - bf16_output).norm() / bf16_output.norm()).item()
     if spec.whole_model:

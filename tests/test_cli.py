@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from compile_accel.benchmarks.runner import parse_mode
+from compile_accel.benchmarks.runner import BenchSettings, parse_mode, run_mode
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -115,3 +115,15 @@ def test_bench_data_parallel_and_split_rows_train_as_one_process(tmp_path) -> No
 def test_bench_refuses_bad_device_counts(mode: str) -> None:
     with pytest.raises(ValueError, match=r"\+ddp"):
         parse_mode(mode)
+
+
+def test_bench_int8_error_is_the_quantization_alone() -> None:
+    """The int8 row's output error compares outputs at the same LoRA weights, so the number of
+    steps trained before it is taken does not change it."""
+    spec = parse_mode("eager+ckpt+offload=0.5+int8")
+    errors = [
+        run_mode(spec, BenchSettings(steps=steps, warmup=0)).stats["offload"]["int8_output_rel_error"]
+        for steps in (1, 4)
+    ]
+    assert errors[0] > 0
+    assert errors[1] == pytest.approx(errors[0], rel=1e-5)
