@@ -35,19 +35,24 @@ block, compiled into it) and with none, so a budgeted block can be streamed too.
 happens only when a slot is taken; a non-reentrant recompute that stops early (and so never
 finishes the block's forward) leaves nothing stale behind.
 
-activation_offload: the inputs of a block called inside a non-reentrant checkpoint (which
-keeps them for the recompute) are moved to pinned host memory once the next block has started
-(the tensor's `.data`, so the checkpoint's references stay valid), on a stream of their own so
-that they leave while weights arrive, and brought back, one block ahead, in backward. Inputs
-shared by neighbouring blocks (timestep embedding, rotary tables) stay. Inputs move by storage:
+activation_offload: what a block keeps for backward is moved to pinned host memory once the
+next block has started (the tensor's `.data`, so autograd's references stay valid), on a stream
+of its own so that it leaves while weights arrive, and brought back, one block ahead, in
+backward. Inside a non-reentrant checkpoint a block keeps its inputs (for the recompute);
+without a checkpoint (a compiled block under an activation memory budget, or plain eager) it
+keeps what its forward saves, which a saved-tensor hook notes during the forward (the hook
+returns each tensor as it is; the block's own parameters and buffers stay). Tensors the next
+block reads (timestep embedding, rotary tables, its input) stay. Tensors move by storage:
 views (Flux's single-stream blocks get two slices of one tensor) go with the tensor they view,
 which a view keeps alive, into one host buffer and back into one GPU buffer, layouts kept.
-Tensors autograd did not make, and views of them, stay: parameters, buffers, the caller's
-tensors, outputs of frozen layers (Flux's first block input). Inputs still on the host when
-their block's next forward starts (a forward whose backward never came) go back then.
+Among a block's inputs, tensors autograd did not make, and views of them, stay: the caller's
+tensors, outputs of frozen layers (Flux's first block input). What is still on the host when
+its block's next forward starts (a forward whose backward never came) goes back then, and so
+does what a block reads again as its input (a long skip connection; with a warning).
 Reentrant checkpoint copies its inputs before any hook could bring them back, so they stay on
-the GPU (with a warning). The model must not read a block's input, or the tensor it views,
-after the next block has started (true for plain block loops).
+the GPU (with a warning). Outside the blocks, the model must not read what a block keeps (its
+input, the tensor it views, a tensor the block saves) after the next block has started (true
+for plain block loops).
 
 offload_dtype="int8": streamed frozen weight matrices are stored as per-row symmetric int8
 plus an fp32 scale per row (the host copy is lossy; the bf16 originals are dropped), sent as
@@ -65,12 +70,14 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from .blocks import resolve_block_lists
@@ -188,8 +195,9 @@ class LayerOffloadConductor:
         bookkeeping with plain copies, for tests and debugging.
     async_transfers: copy on a side CUDA stream, the next blocks while the current computes
         (in forward and in backward's reverse order); False copies on the compute stream.
-    activation_offload: move checkpointed block inputs to host memory between their forward
-        and their recompute (non-reentrant checkpointing only; see the module docstring).
+    activation_offload: move what each block keeps for backward to host memory between its
+        forward and its backward: its inputs under non-reentrant checkpointing, the tensors its
+        forward saves without checkpointing (see the module docstring).
     offload_dtype: None streams the weights as they are; "int8" stores and sends streamed
         weight matrices as per-row int8 + scale and dequantizes them on the GPU (lossy).
     pin_memory: keep host copies in page-locked memory (allocated once, reused every step);
@@ -247,7 +255,14 @@ class LayerOffloadConductor:
         self._last: int | None = None  # index of the block visited last, and the one before
         self._previous: int | None = None
         self._last_in_backward = False
-        self._checkpointed_inputs: list[torch.Tensor] = []  # of the last block visited in forward
+        # activation_offload: what the block visited last in forward keeps for backward, and the
+        # storages among them that must stay (the caller's, parameters, buffers).
+        self._kept: list[torch.Tensor] = []
+        self._kept_staying: set[int] = set()
+        # Without a checkpoint: the saved-tensor hooks noting what the running block's forward
+        # saves, its inputs and what it saved so far (until after_layer).
+        self._saving: tuple[saved_tensors_hooks, list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._host_owner: dict[int, _Block] = {}  # host buffer (storage pointer) -> the block whose tensors it holds
         self._warned: set[str] = set()
         self.counters = {
             "loads": 0,
@@ -406,23 +421,24 @@ class LayerOffloadConductor:
             for tensor in block.others:
                 tensor.data = tensor.data.to(self._original_devices[id(tensor)])
             block.module.__dict__.pop(_MARK, None)
+        self._stop_saving()
         self.synchronize()
         self.blocks, self._hooks, self._slots, self._staging, self._occupant = [], [], [], [], []
         self._staging_read, self._staged = [], []
         self._last = self._previous = None
-        self._checkpointed_inputs = []
+        self._kept, self._kept_staying, self._host_owner = [], set(), {}
 
     # ---- per visit ---------------------------------------------------------------------
 
     def _pre_hook(self, index: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            self.before_layer(index, _top_level_tensors((*args, *kwargs.values())))
+            self.before_layer(index, _tensors((args, kwargs)))
 
         return hook
 
     def _post_hook(self, index: int):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            self.after_layer(index, _top_level_tensors(output))
+            self.after_layer(index, _tensors(output))
 
         return hook
 
@@ -431,6 +447,7 @@ class LayerOffloadConductor:
         `inputs`: the block's tensor inputs (needed for activation_offload only)."""
         block = self.blocks[index]
         in_backward = torch._C._current_graph_task_id() != -1
+        self._stop_saving()  # a forward that raised before its after_layer
         if (self._last, self._last_in_backward) == (index, in_backward):
             self._wait(block)  # the same visit again (a recompute after the gradient hook's visit)
             return
@@ -459,6 +476,12 @@ class LayerOffloadConductor:
     def after_layer(self, index: int, outputs: Sequence[torch.Tensor] = ()) -> None:
         """Block `index` has run its forward and returned `outputs`: when backward reaches them,
         the block is visited (loaded) again before any of its backward runs."""
+        saved = self._stop_saving()
+        if saved is not None:
+            inputs, tensors = saved
+            module = self.blocks[index].module
+            own = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+            self._keep(inputs, tensors, own)
         if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
             return
         for tensor in outputs:
@@ -549,58 +572,93 @@ class LayerOffloadConductor:
     # ---- activations -------------------------------------------------------------------
 
     def _visit_activations(self, block: _Block, inputs: Sequence[torch.Tensor], in_backward: bool) -> None:
-        """Forward: offload the previous block's checkpointed inputs that this block does not
-        share. Those of the next-to-last block stay: backward needs them first. Backward: this
-        block's inputs must be back before its recompute reads them."""
-        previous_inputs, self._checkpointed_inputs = self._checkpointed_inputs, []
+        """Forward: offload what the previous block keeps for backward, except what this block
+        shares; what the next-to-last block keeps stays: backward needs it first. Then note what
+        this block keeps: inside a non-reentrant checkpoint its inputs, without a checkpoint what
+        its forward saves. Backward: this block's tensors must be back before it reads them."""
+        previous_kept, self._kept = self._kept, []
+        previous_staying, self._kept_staying = self._kept_staying, set()
         if in_backward:
             self._bring_back(block)
             return
         if self._previous != block.index - 1 or block.index == len(self.blocks) - 1:
-            previous_inputs = []  # not offloaded; and they may hold a dropped forward's graph
-        # Inputs still on the host from an earlier forward of this block, whose backward never
+            previous_kept = []  # not offloaded; and they may hold a dropped forward's graph
+        # Tensors still on the host from an earlier forward of this block, whose backward never
         # came (or comes after this forward): the live ones go back, the dead ones free their buffers.
         self._bring_back(block)
+        # A tensor an earlier block kept, read again as this block's input (a long skip connection).
+        for owner in {self._host_owner.get(t.untyped_storage().data_ptr()) for t in inputs} - {None}:
+            self._warn_once(
+                f"read again {owner.index}",
+                f"block {block.name} reads a tensor that block {owner.name} keeps for backward and that "
+                "activation_offload had moved to host memory; it is brought back now, and what block "
+                f"{owner.name} keeps stays on the GPU until its backward",
+            )
+            self._bring_back(owner)
         if torch.is_grad_enabled():
             if under_saved_tensor_checkpoint():
-                self._checkpointed_inputs = list(inputs)
+                self._keep(inputs, inputs)
             else:
-                self._warn_once(
-                    "no checkpoint",
-                    "activation_offload moves the inputs of blocks called inside a non-reentrant checkpoint; "
-                    f"block {block.name} is not, so its inputs stay on the GPU (diffusers: "
-                    "model.enable_gradient_checkpointing())",
-                )
+                self._start_saving(inputs)
         elif block.module.training and any(t.requires_grad for t in inputs):
             self._warn_once(
                 "reentrant",
                 "activation_offload needs non-reentrant checkpointing (torch.utils.checkpoint(..., "
-                "use_reentrant=False)); with reentrant checkpointing block inputs stay on the GPU",
+                "use_reentrant=False)) or none; with reentrant checkpointing block inputs stay on the GPU",
             )
-        if not previous_inputs:
+        if not previous_kept:
             return
-        # Moved by storage: the inputs that share one, and the tensors they are views of, go
-        # together. A storage behind a tensor autograd did not make (a parameter, a buffer, the
-        # caller's tensor, whole or sliced by the model) stays: someone else holds it.
+        # Moved by storage: the tensors that share one, and the tensors they are views of, go
+        # together. Storages this block reads stay, and so do those that must (see `_keep`).
         previous = self.blocks[self._previous]
-        staying = {t.untyped_storage().data_ptr() for t in inputs}
+        staying = previous_staying | {t.untyped_storage().data_ptr() for t in inputs}
         storages: dict[int, list[torch.Tensor]] = {}
-        for tensor in previous_inputs:
+        for tensor in previous_kept:
             key = tensor.untyped_storage().data_ptr()
-            root = tensor if tensor._base is None else tensor._base
-            if root.grad_fn is None:
-                staying.add(key)
             if key in staying or not tensor.is_floating_point() or tensor.device != self.device:
                 storages.pop(key, None)
                 continue
             members = storages.setdefault(key, [])
-            for alias in (root, tensor):
+            for alias in (tensor if tensor._base is None else tensor._base, tensor):
                 if all(alias is not m for m in members):
                     members.append(alias)
         for members in storages.values():
             self._offload_storage(previous, members)
         if self._to_host is not None and previous.offloaded:
             previous.on_host = self._to_host.record_event()
+
+    def _keep(
+        self, inputs: Sequence[torch.Tensor], kept: Sequence[torch.Tensor], staying: Iterable[int] = ()
+    ) -> None:
+        """The block visited now keeps `kept` for its backward. Of those, the storages in
+        `staying` and those behind an input that autograd did not make (the caller's tensor,
+        whole or sliced by the model, a frozen layer's output) must stay: someone else holds them."""
+        self._kept = list(kept)
+        self._kept_staying = set(staying) | {
+            t.untyped_storage().data_ptr() for t in inputs if (t if t._base is None else t._base).grad_fn is None
+        }
+
+    def _start_saving(self, inputs: Sequence[torch.Tensor]) -> None:
+        """Note every tensor the block's forward saves for backward (the hook keeps a reference
+        and changes nothing) until after_layer: a compiled block's saved activations included."""
+        saved: list[torch.Tensor] = []
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            saved.append(tensor)
+            return tensor
+
+        hooks = saved_tensors_hooks(pack, lambda tensor: tensor)
+        hooks.__enter__()
+        self._saving = (hooks, list(inputs), saved)
+
+    def _stop_saving(self) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """End `_start_saving`'s hooks, if on: the block's inputs and what its forward saved."""
+        if self._saving is None:
+            return None
+        hooks, inputs, saved = self._saving
+        self._saving = None
+        hooks.__exit__(None, None, None)
+        return inputs, saved
 
     def _offload_storage(self, block: _Block, members: list[torch.Tensor]) -> None:
         source = _storage_bytes(members[0])
@@ -616,6 +674,7 @@ class LayerOffloadConductor:
         )
         stored.point_at(host)
         block.offloaded.append(stored)
+        self._host_owner[buffer.untyped_storage().data_ptr()] = block
         self.counters["activation_bytes_offloaded"] += nbytes
 
     def _take_buffer(self, block: _Block, nbytes: int) -> torch.Tensor:
@@ -651,6 +710,8 @@ class LayerOffloadConductor:
                         tensor.record_stream(stream)
 
     def _bring_back(self, block: _Block, prefetch: bool = False) -> None:
+        """Copy the block's offloaded tensors back to the GPU; unless `prefetch`, the compute
+        stream waits for them."""
         if not block.offloaded:
             return
         for stored in block.offloaded:
@@ -660,13 +721,16 @@ class LayerOffloadConductor:
             self._copy(stored.buffer[ALIGN : ALIGN + stored.nbytes], target, self._to_device, block.on_host)
             stored.point_at(target)
         # The buffers are free once the copies out of them are done (`buffers_read`).
+        for stored in block.offloaded:
+            del self._host_owner[stored.buffer.untyped_storage().data_ptr()]
         block.free_buffers += [stored.buffer for stored in block.offloaded]
         block.offloaded = []
         block.on_host = None
         if self._to_device is not None:
             block.buffers_read = block.activations_back = self._to_device.record_event()
-        if not prefetch:
-            self._wait(block)
+            if not prefetch:
+                torch.cuda.current_stream(self.device).wait_event(block.activations_back)
+                block.activations_back = None
 
     # ---- reporting ---------------------------------------------------------------------
 
@@ -722,14 +786,10 @@ def _spread_resident(sizes: list[int], count: int) -> set[int]:
     return resident
 
 
-def _top_level_tensors(values: Any) -> list[torch.Tensor]:
-    if isinstance(values, torch.Tensor):
-        return [values]
-    if isinstance(values, dict):
-        values = values.values()
-    if isinstance(values, (tuple, list, type({}.values()))):
-        return [v for v in values if isinstance(v, torch.Tensor)]
-    return []
+def _tensors(values: Any) -> list[torch.Tensor]:
+    """Every tensor in `values`, nested in tuples, lists and dicts too (Flux's blocks take their
+    rotary tables as a tuple)."""
+    return [v for v in tree_leaves(values) if isinstance(v, torch.Tensor)]
 
 
 def _named_blocks(blocks: nn.Module | Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:

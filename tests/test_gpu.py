@@ -114,10 +114,13 @@ def _assert_steps_match(model: nn.Module, reference: nn.Module, steps: int, rtol
         assert all(relative_error(g, e) < rtol for g, e in zip(grads, expected, strict=True))
 
 
-@pytest.mark.parametrize("kind", ["Stack", "JointStack"])
-def test_streamed_compiled_blocks_match_resident_eager_without_recompiles(monkeypatch, kind: str) -> None:
+@pytest.mark.parametrize("kind, budget", [("Stack", None), ("JointStack", None), ("Stack", 0.5)])
+def test_streamed_compiled_blocks_match_resident_eager_without_recompiles(
+    monkeypatch, kind: str, budget: float | None
+) -> None:
     """Side-stream copies with prefetch, activation offload (JointStack: inputs that are views of
-    one tensor, as in Flux) and inductor-compiled blocks under diffusers-style checkpointing:
+    one tensor, as in Flux) and inductor-compiled blocks under diffusers-style checkpointing, or
+    under a budget without checkpointing (the activations the compiled blocks save travel):
     LoRA gradients as a fully resident eager run's, every block call compiled (none eager for
     want of its weights), no recompiles after the first step."""
     from test_offload import stack_inputs, step
@@ -126,9 +129,12 @@ def test_streamed_compiled_blocks_match_resident_eager_without_recompiles(monkey
 
     monkeypatch.setattr(offload, "MIN_ACTIVATION_BYTES", 0)
     model, reference = _cuda_stack(kind=kind)
+    if budget is not None:
+        model.checkpointing = None
     holder = nn.Module()
     holder.blocks = model.blocks
-    acceleration = compile_accel.apply(holder, CompileConfig(mode="blocks"), blocks=["blocks"])
+    config = CompileConfig(mode="blocks", activation_memory_budget=budget)
+    acceleration = compile_accel.apply(holder, config, blocks=["blocks"])
     conductor = LayerOffloadConductor(offload_fraction=0.67, activation_offload=True).attach(model.blocks)
     assert all(b.host.is_pinned() for b in conductor.blocks if b.streamed)
     step(model, tuple(t.cuda() for t in stack_inputs()))

@@ -320,6 +320,111 @@ def test_activation_offload_moves_view_inputs_with_their_base(monkeypatch) -> No
     assert conductor.counters["activation_bytes_offloaded"] == 2 * joint
 
 
+class PairBlock(Block):
+    """Takes two shared tables in a tuple and saves them for backward, as Flux's blocks do with
+    their rotary tables."""
+
+    def forward(self, x: torch.Tensor, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        cos, sin = pair
+        return super().forward(x * cos + x.roll(1, -1) * sin, cos)
+
+
+class PairStack(nn.Module):
+    def __init__(self, n: int = 6) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(PairBlock() for _ in range(n))
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        pair = (cond.cos().expand_as(x).contiguous(), cond.sin().expand_as(x).contiguous())
+        self.pair_storages = [t.untyped_storage().data_ptr() for t in pair]
+        for block in self.blocks:
+            assert [t.untyped_storage().data_ptr() for t in pair] == self.pair_storages
+            x = block(x, pair)
+        return x
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "budget"])
+def test_activation_offload_without_checkpoint_moves_what_the_forward_saved(monkeypatch, compiled: bool) -> None:
+    """No checkpoint (plain eager, or compiled blocks under an activation memory budget): the
+    tensors a block's forward saves for backward leave once the next block has started, freeing
+    their old storage, and come back before its backward; parameters (frozen and LoRA), the
+    caller's tensors and the tables every block reads (passed in a tuple) stay."""
+    monkeypatch.setattr(offload, "MIN_ACTIVATION_BYTES", 0)
+    reference = PairStack()
+    model = PairStack()
+    model.load_state_dict(reference.state_dict())
+    if compiled:
+        config = CompileConfig(mode="blocks", activation_memory_budget=0.5, backend="aot_eager")
+        acceleration = compile_accel.apply(model, config)
+    conductor = LayerOffloadConductor(offload_fraction=0.5, device="cpu", activation_offload=True)
+    conductor.attach(model.blocks)
+    lora = {id(p): p.data_ptr() for p in trainable(model)}
+    frozen_resident = {id(p): p.data_ptr() for b in conductor.blocks if not b.streamed for p in b.frozen}
+    saved_by_block_1, at_block_3 = [], []
+
+    def note_saved(module: nn.Module, args: tuple) -> None:
+        # Block 1's output is block 2's input: the activations saved by block 1 but not read by block 2.
+        saved_by_block_1.append(StorageWeakRef(args[0].untyped_storage()))
+
+    def check(module: nn.Module, args: tuple) -> None:
+        moved = [ref() for stored in conductor.blocks[1].offloaded for ref, *_ in stored.tensors]
+        at_block_3.append((saved_by_block_1[-1].expired(), moved))
+
+    model.blocks[1].register_forward_pre_hook(note_saved)  # runs after the conductor's hook
+    model.blocks[3].register_forward_pre_hook(check)
+    for _ in range(2):
+        inputs = stack_inputs()
+        x_storage = inputs[0].untyped_storage().data_ptr()
+        loss, grads = step(model, inputs)
+        expected_loss, expected = step(reference, inputs)
+        torch.testing.assert_close(loss, expected_loss, rtol=1e-5 if compiled else 0, atol=1e-7 if compiled else 0)
+        for g, e in zip(grads, expected, strict=True):
+            torch.testing.assert_close(g, e, rtol=1e-4 if compiled else 0, atol=1e-7 if compiled else 0)
+        assert inputs[0].untyped_storage().data_ptr() == x_storage
+    expired, moved = at_block_3[-1]
+    assert expired  # block 1's input (block 0's output) left, with what block 1 saved
+    input_bytes = inputs[0].numel() * inputs[0].element_size()
+    assert sum(t.numel() * t.element_size() for t in moved if t is not None) > input_bytes  # not the input alone
+    assert not any(isinstance(t, nn.Parameter) for t in moved)
+    assert {id(p): p.data_ptr() for p in trainable(model)} == lora
+    assert {id(p): p.data_ptr() for b in conductor.blocks if not b.streamed for p in b.frozen} == frozen_resident
+    if compiled:
+        assert acceleration.stats()["recompiles"] == 0 and acceleration.stats()["unique_graphs"] == 1
+
+
+class SkipStack(Stack):
+    """Block 4 reads block 0's output again (a long skip connection), which block 1 keeps."""
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        first = x = self.blocks[0](x, cond)
+        for index, block in enumerate(self.blocks[1:], start=1):
+            x = block(x, first if index == 4 else cond)
+        return x
+
+
+def test_activation_offload_brings_back_a_kept_tensor_read_again(monkeypatch) -> None:
+    monkeypatch.setattr(offload, "MIN_ACTIVATION_BYTES", 0)
+    reference = SkipStack(checkpointing=None)
+    model = SkipStack(checkpointing=None)
+    model.load_state_dict(reference.state_dict())
+    conductor = LayerOffloadConductor(offload_fraction=0.5, device="cpu", activation_offload=True)
+    conductor.attach(model.blocks)
+    on_host = []
+
+    def check(module: nn.Module, args: tuple) -> None:
+        buffers = {stored.buffer.untyped_storage().data_ptr() for b in conductor.blocks for stored in b.offloaded}
+        on_host.append(args[1].untyped_storage().data_ptr() in buffers)
+
+    model.blocks[4].register_forward_pre_hook(check)  # runs after the conductor's hook
+    inputs = stack_inputs()
+    with pytest.warns(RuntimeWarning, match="reads a tensor that block 1 keeps"):
+        loss, grads = step(model, inputs)
+    expected_loss, expected = step(reference, inputs)
+    assert on_host == [False]
+    assert torch.equal(loss, expected_loss)
+    assert all(torch.equal(g, e) for g, e in zip(grads, expected, strict=True))
+
+
 def test_activation_offload_warns_under_reentrant_checkpoint(monkeypatch) -> None:
     monkeypatch.setattr(offload, "MIN_ACTIVATION_BYTES", 0)
     model = Stack(n=4, checkpointing="reentrant")
