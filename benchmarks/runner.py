@@ -311,7 +311,7 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
     flops = step_flops(bench) if device == "cuda" and spec.offload is None else None
     bf16_output = _inference_output(bench, device) if spec.offload is not None and spec.offload.int8 else None
     # The int8 output is taken with these LoRA weights too, so that training does not count as error.
-    lora_before = [p.detach().clone() for p in bench.lora_params] if bf16_output is not None else []
+    lora_before = [p.detach().to("cpu", copy=True) for p in bench.lora_params] if bf16_output is not None else []
     if spec.checkpointing:
         bench.enable_checkpointing()
     config = dataclasses.replace(spec.config, exclude=bench.exclude)

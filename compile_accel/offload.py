@@ -38,11 +38,14 @@ finishes the block's forward) leaves nothing stale behind.
 activation_offload: what a block keeps for backward is moved to pinned host memory once the
 next block has started (the tensor's `.data`, so autograd's references stay valid), on a stream
 of its own so that it leaves while weights arrive, and brought back, one block ahead, in
-backward. Inside a non-reentrant checkpoint a block keeps its inputs (for the recompute);
-without a checkpoint (a compiled block under an activation memory budget, or plain eager) it
-keeps what its forward saves, which a saved-tensor hook notes during the forward (the hook
-returns each tensor as it is; the block's own parameters and buffers stay). Tensors the next
-block reads (timestep embedding, rotary tables, its input) stay. Tensors move by storage:
+backward. Inside a non-reentrant checkpoint a block keeps its inputs (for the recompute).
+Without a checkpoint (blocks compiled by compile_accel under an activation memory budget) it
+keeps what its compiled regions save, which a saved-tensor hook notes during the forward (the
+hook returns each tensor as it is); parameters, trainable leaves, the block's buffers and tensor
+attributes, and its outputs stay. Eager code saves tensors that others may hold (module
+attributes, a trainer's LoRA weights), so an eager block without a checkpoint keeps its
+activations (with a warning). Tensors the next block reads (timestep embedding, rotary tables,
+its input, nested in tuples too) stay. Tensors move by storage:
 views (Flux's single-stream blocks get two slices of one tensor) go with the tensor they view,
 which a view keeps alive, into one host buffer and back into one GPU buffer, layouts kept.
 Among a block's inputs, tensors autograd did not make, and views of them, stay: the caller's
@@ -68,10 +71,11 @@ never touched, so saving LoRA weights is safe; for the base weights call `detach
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -82,6 +86,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .blocks import resolve_block_lists
 from .checkpointing import under_saved_tensor_checkpoint
+from .regions import compiled_call_running
 from .int8 import Int8Matrices, Int8Matrix, quantize_int8, view_bytes
 from .stats import warn
 
@@ -133,6 +138,19 @@ class _OffloadedStorage:
                 flat = storage[:whole].view(dtype)
                 # as_strided's offset counts from the start of the storage, not of `flat`.
                 tensor.data = flat.as_strided(shape, stride, flat.storage_offset() + offset)
+
+
+@dataclass
+class _Saving:
+    """A block's forward in progress without a checkpoint: the saved-tensor hooks on (on
+    `thread`), its inputs, what its compiled regions saved so far (weak references), and how many
+    tensors were saved outside them (eager code)."""
+
+    hooks: saved_tensors_hooks
+    thread: int
+    inputs: list[torch.Tensor]
+    saved: list[weakref.ref]
+    eager_saves: list[int]  # one count, shared with the pack hook
 
 
 def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -255,13 +273,11 @@ class LayerOffloadConductor:
         self._last: int | None = None  # index of the block visited last, and the one before
         self._previous: int | None = None
         self._last_in_backward = False
-        # activation_offload: what the block visited last in forward keeps for backward, and the
-        # storages among them that must stay (the caller's, parameters, buffers).
-        self._kept: list[torch.Tensor] = []
+        # activation_offload: what the block visited last in forward keeps for backward (weak:
+        # autograd holds what it still needs), and the storages among them that must stay.
+        self._kept: list[weakref.ref] = []
         self._kept_staying: set[int] = set()
-        # Without a checkpoint: the saved-tensor hooks noting what the running block's forward
-        # saves, its inputs and what it saved so far (until after_layer).
-        self._saving: tuple[saved_tensors_hooks, list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._saving: _Saving | None = None  # a block's forward without a checkpoint, until after_layer
         self._host_owner: dict[int, _Block] = {}  # host buffer (storage pointer) -> the block whose tensors it holds
         self._warned: set[str] = set()
         self.counters = {
@@ -324,7 +340,10 @@ class LayerOffloadConductor:
                 self._hooks.append(
                     block.module.register_forward_pre_hook(self._pre_hook(block.index), with_kwargs=True)
                 )
-                self._hooks.append(block.module.register_forward_hook(self._post_hook(block.index)))
+                # always_call: a forward that raises still ends the saved-tensor hooks.
+                self._hooks.append(
+                    block.module.register_forward_hook(self._post_hook(block.index), always_call=True)
+                )
         logger.info("offload: attached in %.1f s", time.perf_counter() - start)
         return self
 
@@ -444,7 +463,8 @@ class LayerOffloadConductor:
 
     def before_layer(self, index: int, inputs: Sequence[torch.Tensor] = ()) -> None:
         """Make block `index` resident before it runs and start copying the next one.
-        `inputs`: the block's tensor inputs (needed for activation_offload only)."""
+        `inputs`: every tensor the block reads from its arguments (activation_offload keeps
+        those the caller holds, and what the next block reads, on the GPU: pass them)."""
         block = self.blocks[index]
         in_backward = torch._C._current_graph_task_id() != -1
         self._stop_saving()  # a forward that raised before its after_layer
@@ -475,13 +495,11 @@ class LayerOffloadConductor:
 
     def after_layer(self, index: int, outputs: Sequence[torch.Tensor] = ()) -> None:
         """Block `index` has run its forward and returned `outputs`: when backward reaches them,
-        the block is visited (loaded) again before any of its backward runs."""
-        saved = self._stop_saving()
-        if saved is not None:
-            inputs, tensors = saved
-            module = self.blocks[index].module
-            own = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
-            self._keep(inputs, tensors, own)
+        the block is visited (loaded) again before any of its backward runs. With
+        activation_offload and no checkpoint, this ends the noting of what its forward saved."""
+        saving = self._stop_saving()
+        if saving is not None:
+            self._keep_saved(self.blocks[index], saving, outputs)
         if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
             return
         for tensor in outputs:
@@ -598,6 +616,18 @@ class LayerOffloadConductor:
         if torch.is_grad_enabled():
             if under_saved_tensor_checkpoint():
                 self._keep(inputs, inputs)
+            elif torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+                self._warn_once(
+                    "other hooks",
+                    f"block {block.name} runs under saved-tensor hooks of someone else's (save_on_cpu, a "
+                    "meter); activation_offload leaves its activations to them",
+                )
+            elif not inputs:
+                self._warn_once(
+                    "no inputs",
+                    "activation_offload without checkpointing needs each block's input tensors "
+                    "(before_layer(i, inputs)); without them the activations stay on the GPU",
+                )
             else:
                 self._start_saving(inputs)
         elif block.module.training and any(t.requires_grad for t in inputs):
@@ -613,7 +643,9 @@ class LayerOffloadConductor:
         previous = self.blocks[self._previous]
         staying = previous_staying | {t.untyped_storage().data_ptr() for t in inputs}
         storages: dict[int, list[torch.Tensor]] = {}
-        for tensor in previous_kept:
+        for tensor in (ref() for ref in previous_kept):
+            if tensor is None:
+                continue
             key = tensor.untyped_storage().data_ptr()
             if key in staying or not tensor.is_floating_point() or tensor.device != self.device:
                 storages.pop(key, None)
@@ -633,32 +665,56 @@ class LayerOffloadConductor:
         """The block visited now keeps `kept` for its backward. Of those, the storages in
         `staying` and those behind an input that autograd did not make (the caller's tensor,
         whole or sliced by the model, a frozen layer's output) must stay: someone else holds them."""
-        self._kept = list(kept)
+        self._kept = [weakref.ref(t) for t in kept]
         self._kept_staying = set(staying) | {
             t.untyped_storage().data_ptr() for t in inputs if (t if t._base is None else t._base).grad_fn is None
         }
 
     def _start_saving(self, inputs: Sequence[torch.Tensor]) -> None:
-        """Note every tensor the block's forward saves for backward (the hook keeps a reference
-        and changes nothing) until after_layer: a compiled block's saved activations included."""
-        saved: list[torch.Tensor] = []
+        """Note the tensors the block's compiled regions save for backward, until after_layer
+        (the hook returns each tensor as it is). Only those: eager code saves tensors that others
+        may hold (module attributes, a trainer's LoRA weights), which must not move."""
+        # Autograd keeps `pack` with every tensor saved until backward: it holds no strong reference.
+        saved: list[weakref.ref] = []
+        eager_saves = [0]
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
-            saved.append(tensor)
+            root = tensor if tensor._base is None else tensor._base
+            if not compiled_call_running():
+                eager_saves[0] += 1
+            elif type(tensor) is torch.Tensor and not (
+                isinstance(root, nn.Parameter) or (root.grad_fn is None and root.requires_grad)
+            ):
+                saved.append(weakref.ref(tensor))  # not a parameter (here or elsewhere) nor a trainable leaf
             return tensor
 
         hooks = saved_tensors_hooks(pack, lambda tensor: tensor)
         hooks.__enter__()
-        self._saving = (hooks, list(inputs), saved)
+        self._saving = _Saving(hooks, threading.get_ident(), list(inputs), saved, eager_saves)
 
-    def _stop_saving(self) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-        """End `_start_saving`'s hooks, if on: the block's inputs and what its forward saved."""
-        if self._saving is None:
+    def _stop_saving(self) -> _Saving | None:
+        """End `_start_saving`'s hooks, if on (on the thread that started them)."""
+        saving = self._saving
+        if saving is None or saving.thread != threading.get_ident():
             return None
-        hooks, inputs, saved = self._saving
         self._saving = None
-        hooks.__exit__(None, None, None)
-        return inputs, saved
+        saving.hooks.__exit__(None, None, None)
+        return saving
+
+    def _keep_saved(self, block: _Block, saving: _Saving, outputs: Sequence[torch.Tensor]) -> None:
+        """What the block's compiled regions saved, except storages others read: its outputs
+        (the model may use them before backward), its parameters, buffers and tensor attributes."""
+        if saving.eager_saves[0] and not saving.saved:
+            self._warn_once(
+                f"eager {block.name}",
+                f"block {block.name} runs eager without a checkpoint: activation_offload moves what compiled "
+                "blocks save and the inputs of checkpointed ones, so its activations stay on the GPU",
+            )
+        modules = list(block.module.modules())
+        owned = [*block.module.parameters(), *block.module.buffers()]
+        owned += [v for m in modules for v in vars(m).values() if isinstance(v, torch.Tensor)]
+        staying = {t.untyped_storage().data_ptr() for t in (*owned, *outputs)}
+        self._keep(saving.inputs, [t for t in (ref() for ref in saving.saved) if t is not None], staying)
 
     def _offload_storage(self, block: _Block, members: list[torch.Tensor]) -> None:
         source = _storage_bytes(members[0])

@@ -114,13 +114,14 @@ def _assert_steps_match(model: nn.Module, reference: nn.Module, steps: int, rtol
         assert all(relative_error(g, e) < rtol for g, e in zip(grads, expected, strict=True))
 
 
-@pytest.mark.parametrize("kind, budget", [("Stack", None), ("JointStack", None), ("Stack", 0.5)])
+@pytest.mark.parametrize("kind, budget", [("Stack", None), ("JointStack", None), ("Stack", 0.5), ("TanhStack", 1.0)])
 def test_streamed_compiled_blocks_match_resident_eager_without_recompiles(
     monkeypatch, kind: str, budget: float | None
 ) -> None:
     """Side-stream copies with prefetch, activation offload (JointStack: inputs that are views of
     one tensor, as in Flux) and inductor-compiled blocks under diffusers-style checkpointing, or
-    under a budget without checkpointing (the activations the compiled blocks save travel):
+    under a budget without checkpointing (the activations the compiled blocks save travel;
+    TanhStack: blocks save their own output, which the model reads again in backward):
     LoRA gradients as a fully resident eager run's, every block call compiled (none eager for
     want of its weights), no recompiles after the first step."""
     from test_offload import stack_inputs, step
