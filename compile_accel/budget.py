@@ -9,6 +9,7 @@ of the region instead, so the budget is part of that region and nothing global c
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Callable
 
 import torch
@@ -74,6 +75,30 @@ def _inner_backend(config: CompileConfig) -> Callable:
     return torch._dynamo.lookup_backend(config.backend)
 
 
+_running = threading.local()
+
+
+def compiled_call_running() -> bool:
+    """Whether this thread is inside a compiled graph of a region (not eager code that dynamo
+    runs between graphs or for excluded submodules): the tensors saved for backward there are
+    the compiled function's (the offload conductor may move them)."""
+    return getattr(_running, "depth", 0) > 0
+
+
+def _flagging(compiled: Callable) -> Callable:
+    """`compiled`, with `compiled_call_running()` true while it runs."""
+
+    def run(*args: Any) -> Any:
+        _running.depth = getattr(_running, "depth", 0) + 1
+        try:
+            return compiled(*args)
+        finally:
+            _running.depth -= 1
+
+    run._boxed_call = getattr(compiled, "_boxed_call", False)  # dynamo passes a list when it is set
+    return run
+
+
 class RegionBackend:
     """torch.compile backend for one compiled function (shared by all its regions).
 
@@ -107,4 +132,4 @@ class RegionBackend:
             else contextlib.nullcontext()
         )
         with budget:
-            return self.inner(gm, example_inputs)
+            return _flagging(self.inner(gm, example_inputs))

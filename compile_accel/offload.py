@@ -85,8 +85,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from .blocks import resolve_block_lists
+from .budget import compiled_call_running
 from .checkpointing import under_saved_tensor_checkpoint
-from .regions import compiled_call_running
 from .int8 import Int8Matrices, Int8Matrix, quantize_int8, view_bytes
 from .stats import warn
 
@@ -616,11 +616,14 @@ class LayerOffloadConductor:
         if torch.is_grad_enabled():
             if under_saved_tensor_checkpoint():
                 self._keep(inputs, inputs)
-            elif torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+            elif (
+                torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+                or not torch._C._autograd._saved_tensors_hooks_is_enabled()
+            ):
                 self._warn_once(
                     "other hooks",
                     f"block {block.name} runs under saved-tensor hooks of someone else's (save_on_cpu, a "
-                    "meter); activation_offload leaves its activations to them",
+                    "meter), or with such hooks disabled; activation_offload leaves its activations",
                 )
             elif not inputs:
                 self._warn_once(

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import threading
 import time
 from typing import Any, Callable
 
@@ -202,14 +201,6 @@ def _under_outer_checkpoint(module: nn.Module) -> bool:
 
 
 _module_tree_changes = [0]  # registrations of a child, parameter or buffer in any module
-_running = threading.local()
-
-
-def compiled_call_running() -> bool:
-    """Whether this thread is inside a region's compiled call (not its eager fallback): the
-    tensors saved for backward there belong to the compiled function (the offload conductor
-    moves them)."""
-    return getattr(_running, "depth", 0) > 0
 
 
 def _count_module_tree_change(module: nn.Module, name: str, value: Any) -> None:
@@ -282,8 +273,6 @@ class Region:
         args, kwargs, aliased_views = _canonical_inputs(args, kwargs, self.module.training and torch.is_grad_enabled())
         stats = shared.stats
         graphs, breaks, start = stats.graphs, graph_break_total(), time.perf_counter()
-        fell_back = False
-        _running.depth = getattr(_running, "depth", 0) + 1
         try:
             if self.owner is None:
                 out = shared.compiled(*args, **kwargs)
@@ -291,13 +280,9 @@ class Region:
                 out = shared.compiled(self.owner, *args, **kwargs)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
             # fullgraph=True turns the limit into an error; the watcher has warned and counted.
-            fell_back = True
+            return self.eager(*args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as error:
             shared.fail(_failure_reason(error))
-            fell_back = True
-        finally:
-            _running.depth -= 1
-        if fell_back:
             return self.eager(*args, **kwargs)
         if any(alias._version != version for alias, version in aliased_views):
             raise RuntimeError(

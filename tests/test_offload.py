@@ -448,6 +448,44 @@ def test_activation_offload_keeps_block_outputs_the_model_reads(monkeypatch) -> 
     assert moved and not any(moved)  # something left, never an output
 
 
+SHARED_TABLE = torch.rand(2, TOKENS, DIM) + 0.5  # read by every block through an eager submodule
+
+
+class Scale(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * SHARED_TABLE  # saves the shared table for backward
+
+
+class ScaledBlock(Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = Scale()
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.scale(x), cond)
+
+
+def test_activation_offload_moves_nothing_eager_code_saves_inside_a_compiled_block(monkeypatch) -> None:
+    """An excluded submodule runs eager inside the compiled block: what it saves (here a table
+    that every block reads) is not the compiled function's and stays."""
+    monkeypatch.setattr(offload, "MIN_ACTIVATION_BYTES", 0)
+
+    def make() -> Stack:
+        stack = Stack(checkpointing=None)
+        stack.blocks = nn.ModuleList(ScaledBlock() for _ in range(6))
+        return stack
+
+    reference, model = twins(make)
+    config = CompileConfig(mode="blocks", activation_memory_budget=0.5, backend="aot_eager", exclude=["*.scale"])
+    compile_accel.apply(model, config)
+    conductor = LayerOffloadConductor(offload_fraction=0.5, device="cpu", activation_offload=True)
+    conductor.attach(model.blocks)
+    table = SHARED_TABLE.untyped_storage().data_ptr()
+    _assert_compiled_step_matches(model, reference, stack_inputs())
+    assert conductor.counters["activation_bytes_offloaded"] > 0  # the compiled parts' activations left
+    assert SHARED_TABLE.untyped_storage().data_ptr() == table
+
+
 def test_activation_offload_leaves_eager_blocks_without_checkpoint_with_a_warning(monkeypatch) -> None:
     """Eager code saves tensors that others may hold (module attributes, a trainer's LoRA
     weights), so an eager block without a checkpoint keeps its activations on the GPU."""
