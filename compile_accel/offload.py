@@ -709,13 +709,12 @@ class LayerOffloadConductor:
         (the model may use them before backward), its parameters, buffers and tensor attributes."""
         if saving.eager_saves[0] and not saving.saved:
             self._warn_once(
-                f"eager {block.name}",
+                "eager",
                 f"block {block.name} runs eager without a checkpoint: activation_offload moves what compiled "
-                "blocks save and the inputs of checkpointed ones, so its activations stay on the GPU",
+                "blocks save and the inputs of checkpointed ones, so the activations of such blocks stay on the GPU",
             )
-        modules = list(block.module.modules())
         owned = [*block.module.parameters(), *block.module.buffers()]
-        owned += [v for m in modules for v in vars(m).values() if isinstance(v, torch.Tensor)]
+        owned += [v for m in block.module.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]
         staying = {t.untyped_storage().data_ptr() for t in (*owned, *outputs)}
         self._keep(saving.inputs, [t for t in (ref() for ref in saving.saved) if t is not None], staying)
 
