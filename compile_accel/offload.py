@@ -468,9 +468,11 @@ class LayerOffloadConductor:
         block = self.blocks[index]
         in_backward = torch._C._current_graph_task_id() != -1
         self._stop_saving()  # a forward that raised before its after_layer
-        if (self._last, self._last_in_backward) == (index, in_backward):
+        if in_backward and (self._last, self._last_in_backward) == (index, True):
             self._wait(block)  # the same visit again (a recompute after the gradient hook's visit)
             return
+        # In forward a block called again is a new visit: its forward raised and is retried, or the
+        # model calls it twice in a row; what the first call kept is dropped with its graph.
         self._previous, self._last, self._last_in_backward = self._last, index, in_backward
         if self.activation_offload:
             self._visit_activations(block, inputs, in_backward)

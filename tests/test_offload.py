@@ -5,6 +5,8 @@ with compiled blocks, and bad input that changes nothing."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.nn as nn
@@ -539,6 +541,107 @@ def test_activation_offload_warns_under_reentrant_checkpoint(monkeypatch) -> Non
     with pytest.warns(RuntimeWarning, match="non-reentrant"):
         step(model, stack_inputs())
     assert conductor.counters["activation_bytes_offloaded"] == 0
+
+
+class RetryingStack(Stack):
+    """Calls a block again when its forward raises (a trainer that frees memory and retries)."""
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            try:
+                x = block(x, cond)
+            except RuntimeError:
+                x = block(x, cond)
+        return x
+
+
+def _fail_once(module: nn.Module) -> None:
+    """The module's next forward raises after computing, as an out-of-memory error would."""
+    failures = [1]
+
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        if failures[0]:
+            failures[0] -= 1
+            raise RuntimeError("out of memory (test)")
+
+    module.register_forward_hook(hook)
+
+
+def test_activation_offload_moves_a_retried_forwards_activations(monkeypatch) -> None:
+    """A block whose forward raised and ran again is a new visit: what the retried forward saves
+    moves like any other block's (it was once taken for the same visit and kept nothing)."""
+    monkeypatch.setattr(offload, "MIN_ACTIVATION_BYTES", 0)
+    config = CompileConfig(mode="blocks", activation_memory_budget=1.0, backend="aot_eager")
+    moved = []
+    for fails in (False, True):
+        reference, model = twins(lambda: RetryingStack(checkpointing=None))
+        compile_accel.apply(model, config)
+        if fails:
+            _fail_once(model.blocks[2])  # before attach: the conductor's hooks run after it
+        conductor = LayerOffloadConductor(offload_fraction=0.5, device="cpu", activation_offload=True)
+        conductor.attach(model.blocks)
+        _assert_compiled_step_matches(model, reference, stack_inputs())
+        moved.append(conductor.counters["activation_bytes_offloaded"])
+    assert moved[0] > 0
+    assert moved[1] == moved[0]
+
+
+def test_activation_offload_steps_aside_for_other_saved_tensor_hooks(monkeypatch) -> None:
+    monkeypatch.setattr(offload, "MIN_ACTIVATION_BYTES", 0)
+    reference, model = twins(lambda: Stack(checkpointing=None))
+    conductor = LayerOffloadConductor(offload_fraction=0.5, device="cpu", activation_offload=True)
+    conductor.attach(model.blocks)
+    inputs = stack_inputs()
+    with pytest.warns(RuntimeWarning, match="saved-tensor hooks of someone else"):
+        with torch.autograd.graph.save_on_cpu():
+            loss, grads = step(model, inputs)
+    expected_loss, expected = step(reference, inputs)
+    assert torch.equal(loss, expected_loss)
+    assert all(torch.equal(g, e) for g, e in zip(grads, expected, strict=True))
+    assert conductor.counters["activation_bytes_offloaded"] == 0
+
+
+def _driven_by_hand(monkeypatch) -> tuple[Stack, LayerOffloadConductor]:
+    """Blocks compiled under a budget (no checkpoint), a conductor with activation offload that
+    the test drives itself (hooks=False)."""
+    monkeypatch.setattr(offload, "MIN_ACTIVATION_BYTES", 0)
+    model = Stack(checkpointing=None)
+    compile_accel.apply(model, CompileConfig(mode="blocks", activation_memory_budget=1.0, backend="aot_eager"))
+    conductor = LayerOffloadConductor(offload_fraction=0.5, device="cpu", activation_offload=True)
+    return model, conductor.attach(model.blocks, hooks=False)
+
+
+def test_activation_offload_without_block_inputs_warns_and_moves_nothing(monkeypatch) -> None:
+    """Driven by hand (hooks=False) without checkpointing, the conductor needs each block's
+    inputs to know what it must leave; without them it leaves everything, with a warning."""
+    model, conductor = _driven_by_hand(monkeypatch)
+    x, cond = stack_inputs()
+    with pytest.warns(RuntimeWarning, match="needs each block's input tensors"):
+        for index, block in enumerate(model.blocks):
+            conductor.before_layer(index)
+            x = block(x, cond)
+            conductor.after_layer(index, [x])
+    x.square().mean().backward()
+    assert conductor.counters["activation_bytes_offloaded"] == 0
+
+
+def test_saved_tensor_hooks_are_ended_only_on_their_own_thread(monkeypatch) -> None:
+    """Saved-tensor hooks are per thread: a call from another thread (autograd's device threads
+    run gradient hooks) must not end the hooks a forward on the main thread runs under, nor lose
+    what that forward saved."""
+    model, conductor = _driven_by_hand(monkeypatch)
+    x, cond = stack_inputs()
+    top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+    conductor.before_layer(0, [x, cond])
+    out = model.blocks[0](x, cond)
+    other = threading.Thread(target=conductor.after_layer, args=(0,))
+    other.start()
+    other.join()
+    assert top_hooks(False) is not None  # still on: the other thread left them alone
+    conductor.after_layer(0, [out])
+    assert top_hooks(False) is None
+    conductor.before_layer(1, [out, cond])  # block 0's saved activations leave now
+    assert conductor.counters["activation_bytes_offloaded"] > 0
 
 
 def test_int8_round_trip_error_is_within_half_a_step() -> None:
