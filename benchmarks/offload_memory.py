@@ -89,12 +89,22 @@ def main(argv: list[str] | None = None) -> None:
     for backward in (False, True):
         entries = " ".join(f"{v[2] / GiB:.2f}" for v in visits[:-1] if v[1] == backward)
         print(f"allocated on entry to each block, {'backward' if backward else 'forward'} (GiB): {entries}")
-    peak = max(range(1, len(visits)), key=lambda i: visits[i][3])
-    (index, backward, entry, _), peak_bytes = visits[peak - 1], visits[peak][3]
-    print(
-        f"step peak {peak_bytes / GiB:.2f} GiB, in block {index}'s {'backward' if backward else 'forward'} "
-        f"visit: {entry / GiB:.2f} GiB on entry + {(peak_bytes - entry) / GiB:.2f} GiB while it ran"
-    )
+
+    def peak_line(what: str, peak: int) -> str:
+        (index, backward, entry, _), peak_bytes = visits[peak - 1], visits[peak][3]
+        return (
+            f"{what} {peak_bytes / GiB:.2f} GiB, in block {index}'s {'backward' if backward else 'forward'} "
+            f"visit: {entry / GiB:.2f} GiB on entry + {(peak_bytes - entry) / GiB:.2f} GiB while it ran"
+        )
+
+    print(peak_line("step peak", max(range(1, len(visits)), key=lambda i: visits[i][3])))
+    # Per block class (Flux: double- and single-stream blocks), which bounds what any slot layout gains.
+    classes = {type(block.module).__name__ for block in conductor.blocks}
+    for name in sorted(classes):
+        of_class = [
+            i for i in range(1, len(visits)) if type(conductor.blocks[visits[i - 1][0]].module).__name__ == name
+        ]
+        print(peak_line(f"  highest in a {name} visit:", max(of_class, key=lambda i: visits[i][3])))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,9 @@ error against the bf16 weights.
 
 On a GPU each child also counts the FLOPs of one LoRA step without recompute (forward and
 backward, torch.utils.flop_counter) and times a bf16 matmul, for the model FLOP utilisation:
-step FLOPs / step time / matmul rate.
+step FLOPs / step time / matmul rate. With `--profile-steps N` it profiles N more steps and
+adds where the GPU time goes: kernel time per step by kind (matmul, attention, inductor's
+Triton kernels, copies, other) against the median step.
 """
 
 from __future__ import annotations
@@ -160,6 +162,7 @@ class BenchSettings:
     res: int | None = None
     vram_limit_gib: float | None = None
     compile_cache: str | None = None
+    profile_steps: int | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, device: str) -> BenchSettings:
@@ -197,6 +200,13 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="load each mode's PyTorch cache artifacts from DIR before its first step (when there) and save "
         "them after; a second run with an empty inductor cache then measures a warm start elsewhere",
+    )
+    parser.add_argument(
+        "--profile-steps",
+        type=int,
+        metavar="N",
+        help="on a GPU, profile N more steps and report the kernel time per step by kind (matmul, attention, "
+        "Triton, copies, other) against the median step",
     )
 
 
@@ -237,6 +247,39 @@ def matmul_tflops(device: str, n: int = 8192, repeats: int = 20) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return 2 * n**3 / statistics.median(times) / 1e12
+
+
+# Kernel kinds by name (lower case), first match wins: cuDNN's attention kernels contain "sdpa"
+# and "flash" (and "wgmma", which is why attention is looked for before "gemm").
+KERNEL_KINDS = (
+    ("attention", ("flash", "fmha", "sdpa", "attention")),
+    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "cublas")),
+    ("triton", ("triton",)),
+    ("copies", ("memcpy", "memset")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The KERNEL_KINDS kind of a GPU kernel named `name`, or "other"."""
+    name = name.lower()
+    return next((kind for kind, parts in KERNEL_KINDS if any(part in name for part in parts)), "other")
+
+
+def gpu_time_per_step(step: Callable[[], Any], steps: int, gpus: list[torch.device]) -> dict[str, float]:
+    """Seconds of GPU kernel time per step, by kernel kind, over `steps` profiled steps (kernels on
+    several streams at once each count in full)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(gpus)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        _sync(gpus)
+    seconds = dict.fromkeys([kind for kind, _ in KERNEL_KINDS] + ["other"], 0.0)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            seconds[kernel_kind(event.name)] += event.time_range.elapsed_us() / 1e6
+    return {kind: total / steps for kind, total in seconds.items()}
 
 
 def step_flops(bench: BenchModel) -> int | None:
@@ -367,6 +410,7 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
         loss = step()
         _sync(gpus)
         times.append(time.perf_counter() - start)
+    gpu_time = gpu_time_per_step(step, settings.profile_steps, gpus) if settings.profile_steps and gpus else None
     if device == "cuda":
         (peak, reserved), kind = _peak_memory(gpus), "cuda max allocated"
     else:
@@ -375,6 +419,8 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
         optimizer.zero_grad(set_to_none=True)
         peak, kind, reserved = meter.bytes, "activation bytes saved for backward", None
     stats = acceleration.stats()
+    if gpu_time is not None:
+        stats["gpu_time_per_step_s"] = gpu_time
     stats["fxgraph_cache_hits"] = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
     if cache_file is not None and _rank() == 0:
         stats["compile_cache"] = {"loaded": cache_loaded, "saved_bytes": save_compile_cache(cache_file)}
@@ -508,7 +554,7 @@ def markdown_table(report: dict[str, Any], baseline: str = "eager+ckpt") -> str:
             f"| {'-' if r.get('mfu') is None else format(r['mfu'], '.1%')} | {s.get('unique_graphs', 0)} "
             f"| {s.get('recompiles', 0)} | {s.get('graph_breaks', 0)} | {len(s.get('fallbacks', []))} |"
         )
-    extra = [table for table in (offload_table(report), parallel_table(report)) if table]
+    extra = [table for table in (offload_table(report), parallel_table(report), gpu_time_table(report)) if table]
     return "\n\n".join(["\n".join(lines), *extra])
 
 
@@ -536,6 +582,25 @@ def offload_table(report: dict[str, Any]) -> str:
             f"| {offload['activation_bytes_offloaded_per_step'] / 2**30:.2f} "
             f"| {'-' if error is None else format(error, '.2e')} |"
         )
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def gpu_time_table(report: dict[str, Any]) -> str:
+    """Rows profiled with --profile-steps: GPU kernel time per step by kind, in ms, and the median
+    step less all kernel time (the GPU waiting on the host, when kernels do not overlap)."""
+    kinds = [kind for kind, _ in KERNEL_KINDS] + ["other"]
+    lines = [
+        f"| mode | median ms/step | {' | '.join(f'{kind} ms' for kind in kinds)} | all kernels ms | step less kernels ms |",
+        "|---|---|" + "---|" * (len(kinds) + 2),
+    ]
+    for r in report["results"]:
+        gpu_time = r["stats"].get("gpu_time_per_step_s")
+        if gpu_time is None:
+            continue
+        busy = sum(gpu_time.values())
+        cells = " | ".join(f"{gpu_time[kind] * 1e3:.1f}" for kind in kinds)
+        step_ms = r["step_s_median"] * 1e3
+        lines.append(f"| {r['mode']} | {step_ms:.1f} | {cells} | {busy * 1e3:.1f} | {step_ms - busy * 1e3:.1f} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 

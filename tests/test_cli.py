@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from compile_accel.benchmarks.runner import BenchSettings, parse_mode, run_mode
+from compile_accel.benchmarks.runner import BenchSettings, gpu_time_table, kernel_kind, parse_mode, run_mode
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -84,6 +84,29 @@ def test_parse_mode_with_offload() -> None:
     for bad in ("eager+ckpt+offload=1.2", "eager+ckpt+offload=0.5+fast", "eager+ckpt+offload=x"):
         with pytest.raises(ValueError, match="offload"):
             parse_mode(bad)
+
+
+@pytest.mark.parametrize(
+    "name, kind",
+    [
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_kernel0_0", "attention"),
+        ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits>", "attention"),
+        ("nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_NTN", "matmul"),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off", "matmul"),
+        ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "triton"),
+        ("Memcpy HtoD (Pinned -> Device)", "copies"),
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "other"),
+    ],
+)
+def test_kernel_kinds_from_names_seen_on_hopper(name: str, kind: str) -> None:
+    assert kernel_kind(name) == kind
+
+
+def test_gpu_time_table_gives_the_step_less_all_kernels() -> None:
+    gpu_time = {"attention": 0.080, "matmul": 0.110, "triton": 0.050, "copies": 0.001, "other": 0.004}
+    report = {"results": [{"mode": "blocks+budget=1.0", "step_s_median": 0.262, "stats": {"gpu_time_per_step_s": gpu_time}}]}
+    row = gpu_time_table(report).splitlines()[-1]
+    assert row == "| blocks+budget=1.0 | 262.0 | 80.0 | 110.0 | 50.0 | 1.0 | 4.0 | 245.0 | 17.0 |"
 
 
 def test_pareto_front_keeps_only_undominated_settings() -> None:
