@@ -178,6 +178,13 @@ class BenchSettings:
         return flags
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1."""
+    if not text.isdecimal() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return int(text)
+
+
 def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
@@ -187,7 +194,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
         "14B at full size (random weights, needs diffusers and peft); sdscripts-lumina2: sd-scripts' own NextDiT "
         "(needs SD_SCRIPTS_DIR)",
     )
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per mode (median reported)")
+    parser.add_argument("--steps", type=_positive_int, default=8, help="timed steps per mode (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="steps after the first (compile) step before timing")
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--batch", type=int, help="batch size (default: the model's)")
@@ -203,7 +210,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--profile-steps",
-        type=int,
+        type=_positive_int,
         metavar="N",
         help="on a GPU, profile N more steps and report the kernel time per step by kind (matmul, attention, "
         "Triton, copies, other) against the median step",

@@ -58,6 +58,13 @@ def test_bench_refuses_an_unknown_mode_before_running() -> None:
     assert "unknown mode 'turbo'" in proc.stderr
 
 
+@pytest.mark.parametrize("flag, value", [("--steps", "0"), ("--profile-steps", "-1"), ("--profile-steps", "two")])
+def test_bench_refuses_step_counts_below_one(flag: str, value: str) -> None:
+    proc = _cli("bench", flag, value)
+    assert proc.returncode == 2
+    assert f"argument {flag}: expected a whole number >= 1, got '{value}'" in proc.stderr
+
+
 @pytest.mark.parametrize(
     "spec, mode, budget, ckpt",
     [
