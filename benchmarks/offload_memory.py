@@ -1,8 +1,9 @@
 """Where the GPU memory of an offloaded LoRA step goes (a diagnostic, GPU only).
 
-    python -m benchmarks.offload_memory --model flux --res 2048 --mode blocks
+    python -m benchmarks.offload_memory --model flux --res 2048 --mode blocks [--budget 0.0]
 
-Builds the bench model with checkpointing and a LayerOffloadConductor (activation offload on),
+Builds the bench model with checkpointing (or, with --budget, blocks compiled under that
+activation memory budget instead) and a LayerOffloadConductor (activation offload on),
 runs two steps, then prints what stays allocated between steps, by owner, and for one more step
 the bytes allocated when each block is visited and the highest peak between two visits.
 """
@@ -10,6 +11,7 @@ the bytes allocated when each block is visited and the highest peak between two 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
@@ -26,14 +28,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--res", type=int, default=2048)
     parser.add_argument("--mode", choices=["off", "selective", "blocks"], default="blocks", help="compile mode")
     parser.add_argument("--offload-fraction", type=float, default=0.9)
+    parser.add_argument(
+        "--budget", type=float, default=None, help="blocks mode: this activation memory budget instead of checkpointing"
+    )
     args = parser.parse_args(argv)
+    config = CompileConfig(mode=args.mode, activation_memory_budget=args.budget)
+    try:  # before the model is built: a bad flag costs nothing
+        config.validate()
+    except ValueError as error:
+        parser.error(str(error))
 
     torch.manual_seed(0)
     bench = MODELS[args.model]("cuda", 16, None, args.res)
     model = bench.model
     model.train()
-    bench.enable_checkpointing()
-    bench.accelerate(model, CompileConfig(mode=args.mode, exclude=bench.exclude))
+    if args.budget is None:
+        bench.enable_checkpointing()
+    bench.accelerate(model, dataclasses.replace(config, exclude=bench.exclude))
     conductor = LayerOffloadConductor(args.offload_fraction, activation_offload=True).attach(model)
     torch.cuda.empty_cache()
     optimizer = torch.optim.AdamW(bench.lora_params, lr=1e-4)
@@ -66,7 +77,8 @@ def main(argv: list[str] | None = None) -> None:
     }
     total = torch.cuda.memory_allocated()
     at_rest["the rest (inputs, buffers, ...)"] = total - sum(at_rest.values())
-    print(f"{bench.description}, compile mode {args.mode}, offload fraction {args.offload_fraction}")
+    how = "checkpointing" if args.budget is None else f"activation memory budget {args.budget}"
+    print(f"{bench.description}, compile mode {args.mode}, {how}, offload fraction {args.offload_fraction}")
     print(f"allocated between steps: {total / GiB:.2f} GiB")
     for name, nbytes in at_rest.items():
         print(f"  {name:45s} {nbytes / GiB:6.3f} GiB")

@@ -65,6 +65,17 @@ def test_bench_refuses_step_counts_below_one(flag: str, value: str) -> None:
     assert f"argument {flag}: expected a whole number >= 1, got '{value}'" in proc.stderr
 
 
+@pytest.mark.parametrize("flags", [["--mode", "selective", "--budget", "0.5"], ["--budget", "1.5"]])
+def test_offload_memory_refuses_a_bad_budget_before_building_the_model(flags: list[str], monkeypatch, capsys) -> None:
+    from compile_accel.benchmarks import offload_memory
+
+    monkeypatch.setattr(offload_memory, "MODELS", {"flux": None})  # calling it would raise TypeError
+    with pytest.raises(SystemExit) as exit_info:
+        offload_memory.main(["--model", "flux", *flags])
+    assert exit_info.value.code == 2
+    assert "activation_memory_budget" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "spec, mode, budget, ckpt",
     [
