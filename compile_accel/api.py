@@ -156,14 +156,21 @@ def apply(
         for sub_name, sub in region.module.named_modules(prefix=region.name)
         if sub is not region.module and is_excluded(sub_name, config.exclude)
     ]
-    switches = (
-        checkpointing.find_checkpoint_switches(model, block_lists)
+    switches, uncheckpointed = (
+        checkpointing.find_checkpoint_switches(model, block_lists, {r.name for r in regions})
         if config.mode == "blocks" and config.activation_memory_budget is not None
-        else []
+        else ([], [])
     )
 
     # Everything above only looked; from here on the model changes.
     checkpointing.turn_off(switches)
+    if uncheckpointed:
+        warn(
+            f"the activation memory budget turned off checkpointing switches ({', '.join(s.name for s in switches)}) "
+            f"that also checkpoint blocks left eager by CompileConfig.exclude ({', '.join(uncheckpointed[:3])}"
+            f"{', ...' if len(uncheckpointed) > 3 else ''}): those now keep all their activations. Compile them "
+            "too, or checkpoint them yourself"
+        )
     stats.regions = len(regions)
     stats.checkpointing_switched_off = [s.name for s in switches]
     for patch in eager_patches:

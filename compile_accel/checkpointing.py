@@ -38,14 +38,26 @@ def _ancestors(model: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
     return [(prefix or type(model).__name__, model.get_submodule(prefix)) for prefix in prefixes]
 
 
-def find_checkpoint_switches(model: nn.Module, block_lists: list[BlockList]) -> list[CheckpointSwitch]:
-    """Every block, and every module above a block list, whose `gradient_checkpointing` is True."""
-    candidates: dict[int, CheckpointSwitch] = {}
+def find_checkpoint_switches(
+    model: nn.Module, block_lists: list[BlockList], compiled: set[str]
+) -> tuple[list[CheckpointSwitch], list[str]]:
+    """The `gradient_checkpointing` flags that are True on a compiled block (named in `compiled`)
+    or on a module above its block list; and the blocks left uncompiled that one of those
+    flags above them governs too, which lose their checkpointing with it."""
+    switches: dict[int, CheckpointSwitch] = {}
+    governed: dict[int, list[str]] = {}  # id(module above block lists) -> their blocks' names
     for block_list in block_lists:
-        for name, module in [*_ancestors(model, block_list.path), *block_list.named_blocks()]:
+        blocks = block_list.named_blocks()
+        for name, module in _ancestors(model, block_list.path):
             if getattr(module, "gradient_checkpointing", None) is True:
-                candidates.setdefault(id(module), CheckpointSwitch(name, module))
-    return list(candidates.values())
+                governed.setdefault(id(module), []).extend(n for n, _ in blocks)
+                if any(n in compiled for n, _ in blocks):
+                    switches.setdefault(id(module), CheckpointSwitch(name, module))
+        for name, module in blocks:
+            if name in compiled and getattr(module, "gradient_checkpointing", None) is True:
+                switches.setdefault(id(module), CheckpointSwitch(name, module))
+    uncompiled = [n for key in switches if key in governed for n in governed[key] if n not in compiled]
+    return list(switches.values()), list(dict.fromkeys(uncompiled))
 
 
 def turn_off(switches: list[CheckpointSwitch]) -> None:

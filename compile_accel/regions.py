@@ -44,6 +44,7 @@ class CompiledFunction:
         self.recompile_limit = config.recompile_limit
         self.regions: list[str] = []
         self.failure: str | None = None
+        self.has_graph = False  # until dynamo has compiled one, each call is checked for running eager
         self._warned_checkpoint = False
         self._by_budget: dict[float | None, tuple[RegionBackend, Callable]] = {}
         budget = config.activation_memory_budget
@@ -115,6 +116,18 @@ def _failure_reason(error: BaseException) -> str:
     inner = getattr(error, "inner_exception", None) or error
     text = str(inner).strip().splitlines()
     return f"{type(inner).__name__}: {text[0] if text else ''}"
+
+
+def _no_graph_reason(break_reasons_before: dict[str, int]) -> str:
+    """Why a call compiled no graph, from the graph breaks dynamo counted during it."""
+    new = [r for r, n in torch._dynamo.utils.counters["graph_break"].items() if n > break_reasons_before.get(r, 0)]
+    cause = f" (graph break: {new[0].strip().splitlines()[0]})" if new else ""
+    return (
+        f"dynamo compiled no graph for its forward{cause}. A graph break inside "
+        "torch.utils.checkpoint runs the whole checkpointed call eager: compile with an "
+        "activation_memory_budget instead of the model's checkpointing, use mode='selective', or "
+        "make the code behind the break traceable"
+    )
 
 
 # Block inputs are looked at on the top level only (tensors passed directly or by keyword):
@@ -273,6 +286,7 @@ class Region:
         args, kwargs, aliased_views = _canonical_inputs(args, kwargs, self.module.training and torch.is_grad_enabled())
         stats = shared.stats
         graphs, breaks, start = stats.graphs, graph_break_total(), time.perf_counter()
+        break_reasons = None if shared.has_graph else dict(torch._dynamo.utils.counters["graph_break"])
         try:
             if self.owner is None:
                 out = shared.compiled(*args, **kwargs)
@@ -289,10 +303,17 @@ class Region:
                 f"compile_accel: {self.name} changed a view input in place; compiled regions get views as plain "
                 "tensors, so its base's gradient would be wrong. Leave the module eager (CompileConfig.exclude)."
             )
-        if stats.graphs != graphs:
+        new_breaks = graph_break_total() - breaks
+        if stats.graphs != graphs or new_breaks:
             stats.compile_seconds += time.perf_counter() - start
-            stats.graph_breaks += graph_break_total() - breaks
+            stats.graph_breaks += new_breaks
+        if stats.graphs != graphs:
+            shared.has_graph = True
             if shared.backend.saw_checkpoint:
                 shared.backend.saw_checkpoint = False
                 shared.note_still_checkpointed(shared.regions, "their forward calls torch.utils.checkpoint")
+        elif break_reasons is not None and not torch.compiler.is_compiling():
+            # Dynamo ran the whole forward eager: typically a graph break inside a checkpoint,
+            # which makes dynamo run the entire checkpointed call eager.
+            shared.fail(_no_graph_reason(break_reasons))
         return out

@@ -71,6 +71,14 @@ def test_blocks_without_budget_keep_checkpointing() -> None:
     assert acceleration.stats()["checkpointing_switched_off"] == []
 
 
+def test_budget_leaves_the_checkpointing_of_excluded_blocks_on() -> None:
+    model, _ = build("kohya", "non-reentrant")
+    config = CompileConfig(mode="blocks", activation_memory_budget=0.5, exclude=["single_blocks.*"])
+    acceleration = compile_accel.apply(model, config)
+    assert acceleration.stats()["checkpointing_switched_off"] == ["double_blocks.0", "double_blocks.1"]
+    assert [b.gradient_checkpointing for b in [*model.double_blocks, *model.single_blocks]] == [False, False, True, True]
+
+
 class _AlwaysCheckpointed(nn.Module):
     """A block that checkpoints itself with no switch to turn it off."""
 
@@ -101,6 +109,30 @@ class _Stack(nn.Module):
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False) if self.checkpoint_outside else block(x)
         return x
+
+
+class _OneSwitchStack(_Stack):
+    """diffusers' way: one flag on the model checkpoints every block."""
+
+    gradient_checkpointing = True
+
+    def __init__(self) -> None:
+        super().__init__(_PlainBlock)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.gradient_checkpointing else block(x)
+        return x
+
+
+def test_budget_warns_when_the_switch_it_turns_off_also_checkpoints_excluded_blocks() -> None:
+    model = _OneSwitchStack()
+    config = CompileConfig(mode="blocks", activation_memory_budget=0.5, exclude=["blocks.1"])
+    with pytest.warns(RuntimeWarning, match=r"also checkpoint blocks left eager .*\(blocks\.1\)"):
+        acceleration = compile_accel.apply(model, config)
+    assert acceleration.stats()["checkpointing_switched_off"] == ["_OneSwitchStack"]
+    acceleration.restore()
+    assert model.gradient_checkpointing is True
 
 
 @pytest.mark.parametrize(

@@ -39,6 +39,23 @@ def test_complex_rope_region_falls_back_with_one_warning() -> None:
     assert all(relative_error(g, e) < 1e-6 for g, e in zip(grads, expected_grads, strict=True))
 
 
+def test_checkpointed_block_that_dynamo_runs_eager_is_a_fallback() -> None:
+    """A graph break inside torch.utils.checkpoint (here the excluded complex rotary) makes
+    dynamo run the whole checkpointed call eager: no graph at all, which must not pass for compiled."""
+    model, params = build("kohya", "non-reentrant", rope="complex")
+    inputs = inputs_for(model)
+    expected_loss, expected_grads = lora_step(model, params, inputs)
+    config = CompileConfig(mode="blocks", exclude=["*.rope"], backend="aot_eager")
+    acceleration = compile_accel.apply(model, config)
+    with pytest.warns(RuntimeWarning, match="compiled no graph for its forward .*graph break"):
+        loss, grads = lora_step(model, params, inputs)
+    stats = acceleration.stats()
+    assert stats["compiled_regions"] == 0 and stats["unique_graphs"] == 0
+    assert len(stats["fallbacks"]) == 4 and stats["graph_breaks"] >= 1
+    assert relative_error(loss, expected_loss) < 1e-6
+    assert all(relative_error(g, e) < 1e-6 for g, e in zip(grads, expected_grads, strict=True))
+
+
 class _Talkative(nn.Module):
     """Graph-breaks on purpose (a print), which fullgraph=True turns into a compile error."""
 
