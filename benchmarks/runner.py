@@ -178,11 +178,16 @@ class BenchSettings:
         return flags
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: a whole number >= 1."""
-    if not text.isdecimal() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return int(text)
+def _whole_number(minimum: int, multiple_of: int = 1) -> Callable[[str], int]:
+    """argparse type: a whole number >= `minimum` (and a multiple of `multiple_of`)."""
+    wanted = f"a whole number >= {minimum}" + (f" that is a multiple of {multiple_of}" if multiple_of > 1 else "")
+
+    def parse(text: str) -> int:
+        if not text.isdecimal() or int(text) < minimum or int(text) % multiple_of:
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}")
+        return int(text)
+
+    return parse
 
 
 def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
@@ -194,11 +199,17 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
         "14B at full size (random weights, needs diffusers and peft); sdscripts-lumina2: sd-scripts' own NextDiT "
         "(needs SD_SCRIPTS_DIR)",
     )
-    parser.add_argument("--steps", type=_positive_int, default=8, help="timed steps per mode (median reported)")
-    parser.add_argument("--warmup", type=int, default=2, help="steps after the first (compile) step before timing")
-    parser.add_argument("--lora-rank", type=int, default=16)
-    parser.add_argument("--batch", type=int, help="batch size (default: the model's)")
-    parser.add_argument("--res", type=int, help="image resolution in pixels (default: the model's)")
+    parser.add_argument("--steps", type=_whole_number(1), default=8, help="timed steps per mode (median reported)")
+    parser.add_argument(
+        "--warmup", type=_whole_number(0), default=2, help="steps after the first (compile) step before timing"
+    )
+    parser.add_argument("--lora-rank", type=_whole_number(1), default=16)
+    parser.add_argument("--batch", type=_whole_number(1), help="batch size (default: the model's)")
+    parser.add_argument(
+        "--res",
+        type=_whole_number(16, multiple_of=16),  # 8x VAE downsampling, then 2x2 patches
+        help="image resolution in pixels, a multiple of 16 (default: the model's)",
+    )
     parser.add_argument(
         "--vram-limit-gib", type=float, help="memory limit for the blocks+auto mode (default: free GPU memory)"
     )
@@ -210,7 +221,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--profile-steps",
-        type=_positive_int,
+        type=_whole_number(1),
         metavar="N",
         help="on a GPU, profile N more steps and report the kernel time per step by kind (matmul, attention, "
         "Triton, copies, other) against the median step",

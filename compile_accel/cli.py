@@ -28,7 +28,6 @@ def _check_compile(device: str) -> str | None:
 
 def doctor(args: argparse.Namespace) -> int:
     import torch
-    import torch._inductor.config
 
     from . import dynamo_settings as ds
 
@@ -42,12 +41,12 @@ def doctor(args: argparse.Namespace) -> int:
         print("triton           not installed")
         if torch.cuda.is_available():
             problems.append("triton is missing: inductor cannot generate GPU kernels (pip install triton)")
-    cxx = torch._inductor.config.cpp.cxx[0] or "g++"
-    cxx_path = shutil.which(cxx) or shutil.which("c++") or shutil.which("cl")
-    print(f"C++ compiler     {cxx_path or 'not found'}")
-    if cxx_path is None:
+    cxx, missing = ds.cpp_compiler()
+    print(f"C++ compiler     {shutil.which(cxx) or cxx if cxx else 'not found'}")
+    if missing:
         problems.append(
-            "no C++ compiler: inductor needs one for CPU code and its wrappers (gcc/g++, or MSVC on Windows)"
+            f"no C++ compiler: inductor needs one for CPU code and its wrappers (gcc/g++, or MSVC on Windows; "
+            f"$CXX picks one): {missing}"
         )
     if torch.cuda.is_available():
         print(f"GPU              {torch.cuda.get_device_name()} (CUDA {torch.version.cuda})")
@@ -68,7 +67,7 @@ def doctor(args: argparse.Namespace) -> int:
     print(f"cache directory  {cache_dir()}")
     if not ds.HAS_BUDGET_KNOB:
         problems.append("this torch has no activation_memory_budget (needs torch >= 2.4)")
-    if cxx_path is not None or torch.cuda.is_available():
+    if cxx or torch.cuda.is_available():
         device = "cuda" if torch.cuda.is_available() else "cpu"
         start = time.perf_counter()
         error = _check_compile(device)
@@ -83,6 +82,11 @@ def doctor(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+def _refuse(message: str) -> int:
+    print(f"compile-accel bench: {message}", file=sys.stderr)
+    return 2
+
+
 def bench(args: argparse.Namespace) -> int:
     import torch
 
@@ -90,12 +94,16 @@ def bench(args: argparse.Namespace) -> int:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     modes = args.modes.split(",") if args.modes else runner.DEFAULT_MODES
+    # Refusals come before the first mode runs, so a bad flag costs no compile.
     try:
-        for mode in modes:
-            runner.parse_mode(mode)
+        specs = [runner.parse_mode(mode) for mode in modes]
     except ValueError as error:
-        print(f"compile-accel bench: {error}", file=sys.stderr)
-        return 2
+        return _refuse(str(error))
+    if device == "cuda" and not torch.cuda.is_available():
+        return _refuse("--device cuda, but this torch sees no CUDA device")
+    auto = [s.name for s in specs if s.config.activation_memory_budget == "auto"]
+    if auto and device == "cpu" and args.vram_limit_gib is None:
+        return _refuse(f"{auto[0]} on the CPU needs --vram-limit-gib (the limit for the bytes saved for backward)")
     settings = runner.BenchSettings.from_args(args, device)
     report = runner.run_ab(
         modes, settings, progress=lambda line: print(line, file=sys.stderr, flush=True), warm=args.warm
@@ -135,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument(
         "--modes",
         help="comma-separated from: eager, eager+ckpt, whole+ckpt, selective+ckpt, blocks+ckpt, "
-        "blocks+budget=B (default: eager+ckpt,selective+ckpt,blocks+budget=0.5,blocks+budget=1.0)",
+        "blocks+budget=B, blocks+auto; each optionally followed by +offload=F[+act][+int8], +ddp=N or +split=N "
+        "(default: eager+ckpt,selective+ckpt,blocks+budget=0.5,blocks+budget=1.0)",
     )
     b.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if present, else cpu")
     b.add_argument("--out", help="directory for bench.json and bench.md")

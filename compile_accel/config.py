@@ -98,5 +98,5 @@ class CompileConfig:
             or self.recompile_limit < 1
         ):
             raise ValueError(f"CompileConfig.recompile_limit must be an int >= 1, got {self.recompile_limit!r}")
-        if isinstance(self.exclude, str) or not all(isinstance(p, str) for p in self.exclude):
+        if not isinstance(self.exclude, (list, tuple)) or not all(isinstance(p, str) for p in self.exclude):
             raise ValueError(f"CompileConfig.exclude must be a list of glob patterns, got {self.exclude!r}")

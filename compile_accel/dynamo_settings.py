@@ -29,6 +29,17 @@ HAS_BUDGET_KNOB = hasattr(torch._functorch.config, "activation_memory_budget")
 HAS_CACHE_ARTIFACTS = hasattr(torch.compiler, "save_cache_artifacts")
 
 
+def cpp_compiler() -> tuple[str | None, str | None]:
+    """(the C++ compiler inductor's CPU code will use, None), or (None, why there is none):
+    torch's own search of torch._inductor.config.cpp.cxx, which $CXX sets."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        return get_cpp_compiler(), None
+    except RuntimeError as error:  # torch's InvalidCxxCompiler, or its Windows checks
+        return None, str(error).strip().splitlines()[0]
+
+
 def ensure_thread_settings(recompile_limit: int) -> None:
     """Apply compile_accel's dynamo knobs to the calling thread (once per thread and limit)."""
     if getattr(_local, "limit", 0) >= recompile_limit:

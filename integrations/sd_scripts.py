@@ -26,7 +26,6 @@ import argparse
 import atexit
 import os
 import runpy
-import shutil
 import sys
 import types
 from collections.abc import Callable
@@ -41,7 +40,7 @@ import torch.nn.functional as F
 
 from compile_accel import Acceleration, CompileConfig
 from compile_accel.api import apply_prepared
-from compile_accel.dynamo_settings import HAS_BUDGET_KNOB
+from compile_accel.dynamo_settings import HAS_BUDGET_KNOB, cpp_compiler
 from compile_accel.patching import ModuleFunctionPatch
 from compile_accel.rotary import real_table, rotate_interleaved
 
@@ -307,10 +306,8 @@ def _missing_compiler(device: torch.device) -> str | None:
         from torch.utils._triton import has_triton
 
         return None if has_triton() else "triton is not installed (pip install triton; triton-windows on Windows)"
-    import torch._inductor.config
-
-    cxx = torch._inductor.config.cpp.cxx[0] or "g++"
-    return None if shutil.which(cxx) else f"no C++ compiler ({cxx}) for inductor's CPU code"
+    missing = cpp_compiler()[1]
+    return None if missing is None else f"no C++ compiler for inductor's CPU code ({missing})"
 
 
 class Launch:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from compile_accel.benchmarks.runner import BenchSettings, gpu_time_table, kernel_kind, parse_mode, run_mode
 
@@ -20,6 +22,18 @@ def test_doctor_reports_a_usable_setup() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "budget knob      yes" in proc.stdout
     assert proc.stdout.strip().endswith("usable")
+
+
+def test_doctor_names_a_missing_compiler_from_cxx() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "compile_accel.cli", "doctor"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "CXX": "/nonexistent/g++"},
+    )
+    assert proc.returncode == 1
+    assert "C++ compiler     not found" in proc.stdout
+    assert "no C++ compiler" in proc.stderr and "/nonexistent/g++" in proc.stderr
 
 
 def test_bench_runs_each_mode_and_writes_json(tmp_path) -> None:
@@ -58,11 +72,39 @@ def test_bench_refuses_an_unknown_mode_before_running() -> None:
     assert "unknown mode 'turbo'" in proc.stderr
 
 
-@pytest.mark.parametrize("flag, value", [("--steps", "0"), ("--profile-steps", "-1"), ("--profile-steps", "two")])
-def test_bench_refuses_step_counts_below_one(flag: str, value: str) -> None:
+@pytest.mark.parametrize(
+    "flag, value, wanted",
+    [
+        ("--steps", "0", ">= 1"),
+        ("--profile-steps", "-1", ">= 1"),
+        ("--profile-steps", "two", ">= 1"),
+        ("--warmup", "-1", ">= 0"),
+        ("--batch", "0", ">= 1"),
+        ("--lora-rank", "0", ">= 1"),
+        ("--res", "40", ">= 16 that is a multiple of 16"),
+    ],
+)
+def test_bench_refuses_counts_out_of_range(flag: str, value: str, wanted: str) -> None:
     proc = _cli("bench", flag, value)
     assert proc.returncode == 2
-    assert f"argument {flag}: expected a whole number >= 1, got '{value}'" in proc.stderr
+    assert f"argument {flag}: expected a whole number {wanted}, got '{value}'" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--modes", "blocks+auto", "--device", "cpu"], "blocks+auto on the CPU needs --vram-limit-gib"),
+        pytest.param(
+            ["--device", "cuda"],
+            "sees no CUDA device",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA"),
+        ),
+    ],
+)
+def test_bench_refuses_what_cannot_run_before_running_a_mode(flags: list[str], message: str) -> None:
+    proc = _cli("bench", "--modes", "eager+ckpt", *flags)  # a later --modes wins
+    assert proc.returncode == 2
+    assert message in proc.stderr and "[1/" not in proc.stderr  # no mode started
 
 
 @pytest.mark.parametrize("flags", [["--mode", "selective", "--budget", "0.5"], ["--budget", "1.5"]])

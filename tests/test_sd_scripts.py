@@ -214,7 +214,7 @@ def test_flags_become_the_compile_config(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_no_compiler_stops_a_budget_and_lets_selective_train_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch._inductor.config
 
-    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("no-such-compiler",))
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, "no-such-compiler"))  # as $CXX sets it
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     launch = accel.Launch()
     launch.config = BLOCKS
