@@ -323,6 +323,7 @@ def _inference_output(bench: BenchModel, device: str) -> torch.Tensor:
         return bench.predict().float()
 
 
+@torch.no_grad()  # visits with no forward behind them: nothing for backward to come back for
 def transfer_only_seconds(conductor: LayerOffloadConductor, repeats: int = 3) -> float:
     """The weight copies of one training step (forward order, then backward's) with no compute."""
     order = [*range(len(conductor.blocks)), *reversed(range(len(conductor.blocks)))]

@@ -53,7 +53,8 @@ def resolve_block_lists(model: nn.Module, spec: Sequence[str | nn.ModuleList] | 
         if not found:
             raise ValueError(
                 f"{type(model).__name__} has no repeated blocks (no ModuleList of two or more modules of one class); "
-                "pass blocks=[...] with the attribute paths of its block lists"
+                "name them: apply(model, config, blocks=[...]) takes their attribute paths, "
+                "LayerOffloadConductor.attach() a ModuleList or a list of blocks"
             )
         return found
     if isinstance(spec, (str, nn.ModuleList)):

@@ -71,6 +71,7 @@ never touched, so saving LoRA weights is safe; for the base weights call `detach
 from __future__ import annotations
 
 import logging
+import numbers
 import threading
 import time
 import weakref
@@ -96,7 +97,8 @@ OFFLOAD_DTYPES = (None, "int8")
 SLOTS = 2  # one block computing, the next one arriving
 ALIGN = 16  # bytes; every view starts at a multiple of this and never at offset 0
 MIN_ACTIVATION_BYTES = 1 << 20  # smaller block inputs are not worth a round trip
-_MARK = "_compile_accel_offload"
+# Conductors attached now: attach() refuses blocks that share a module or parameter with one.
+_ATTACHED: weakref.WeakSet[LayerOffloadConductor] = weakref.WeakSet()
 
 
 def _aligned(n: int) -> int:
@@ -235,7 +237,7 @@ class LayerOffloadConductor:
         offload_dtype: str | None = None,
         pin_memory: bool = True,
     ) -> None:
-        if isinstance(offload_fraction, bool) or not isinstance(offload_fraction, (int, float)):
+        if isinstance(offload_fraction, bool) or not isinstance(offload_fraction, numbers.Real):
             raise ValueError(f"offload_fraction must be a number in [0.0, 1.0], got {offload_fraction!r}")
         if not 0.0 <= offload_fraction <= 1.0:
             raise ValueError(f"offload_fraction must be in [0.0, 1.0], got {offload_fraction!r}")
@@ -265,7 +267,14 @@ class LayerOffloadConductor:
         self._staged: list[_Block | None] = []  # int8: the block in each staging buffer, not dequantized yet
         self._occupant: list[_Block | None] = []  # the block each slot holds (int8: dequantized)
         self._hooks: list[RemovableHandle] = []
-        self._original_devices: dict[int, torch.device] = {}  # parameters' and buffers' at attach
+        # Parameters' and buffers' device at attach, and the frozen weights' layout (strides) as
+        # a meta tensor: detach() gives each back in the layout it had.
+        self._original_devices: dict[int, torch.device] = {}
+        self._original_layouts: dict[int, torch.Tensor] = {}
+        # Bumped by attach() and detach(): a gradient hook from an earlier attach refuses to run.
+        self._generation = 0
+        self._awaiting_after: int | None = None  # a block's forward visit under grad, until its after_layer
+        self._owned: set[int] = set()  # ids of the attached blocks' modules and parameters
         # Copies to the GPU (weights, inputs coming back) and to the host (inputs leaving) run on
         # their own streams: PCIe carries both directions at once.
         self._to_device = torch.cuda.Stream(device) if self.async_transfers else None
@@ -297,8 +306,12 @@ class LayerOffloadConductor:
             raise RuntimeError("this LayerOffloadConductor is already attached; detach() it first")
         named = _named_blocks(blocks)
         for name, module in named:
-            if _MARK in module.__dict__:
-                raise RuntimeError(f"block {name} is already attached to a LayerOffloadConductor")
+            owner = _owner(module)
+            if owner is not None:
+                raise RuntimeError(
+                    f"block {name} (or a module in it or around it) is already attached to "
+                    f"{'this' if owner is self else 'another'} LayerOffloadConductor; detach() that first"
+                )
         self._check_devices(named)
         plan = [_Block(i, name, module, self.offload_dtype == "int8") for i, (name, module) in enumerate(named)]
         seen: dict[int, str] = {}
@@ -321,18 +334,20 @@ class LayerOffloadConductor:
         try:
             for block in plan:
                 self._original_devices.update({id(t): t.device for t in (*block.frozen, *block.others)})
+                self._original_layouts.update({id(p): torch.empty_like(p.data, device="meta") for p in block.frozen})
                 for tensor in block.others:
                     tensor.data = tensor.data.to(self.device)
                 self._fill(block)
-                block.module.__dict__[_MARK] = self
         except BaseException:
             for block in plan:
                 for tensor in (*block.module.parameters(), *block.module.buffers()):
                     tensor.data = originals[id(tensor)]
-                block.module.__dict__.pop(_MARK, None)
-            self._slots, self._staging, self._original_devices = [], [], {}
+            self._slots, self._staging, self._original_devices, self._original_layouts = [], [], {}, {}
             raise
         self.blocks = plan
+        self._owned = {id(t) for block in plan for t in (*block.module.modules(), *block.module.parameters())}
+        _ATTACHED.add(self)
+        self._generation += 1
         self._occupant = [None] * len(self._slots)
         self._staged = [None] * len(self._slots)
         if hooks:
@@ -348,7 +363,7 @@ class LayerOffloadConductor:
         return self
 
     def _check_devices(self, named: list[tuple[str, nn.Module]]) -> None:
-        devices = {(name, p.device) for name, module in named for p in module.parameters()}
+        devices = {(name, t.device) for name, module in named for t in (*module.parameters(), *module.buffers())}
         kinds = {device for _, device in devices}
         if len(kinds) > 1 or (kinds and next(iter(kinds)) not in (torch.device("cpu"), self.device)):
             listing = ", ".join(sorted({f"{name} on {device}" for name, device in devices}))
@@ -436,12 +451,16 @@ class LayerOffloadConductor:
                 self._wait(block)
                 self._occupant[block.slot] = None  # restored below: no later load may evict it
             for entry, view in zip(block.entries, block.device_views, strict=True):
-                entry.param.data = view.to(self._original_devices[id(entry.param)], copy=True)
+                layout = self._original_layouts[id(entry.param)]
+                entry.param.data = torch.empty_like(layout, device=self._original_devices[id(entry.param)]).copy_(view)
             for tensor in block.others:
                 tensor.data = tensor.data.to(self._original_devices[id(tensor)])
-            block.module.__dict__.pop(_MARK, None)
+        _ATTACHED.discard(self)
+        self._owned = set()
         self._stop_saving()
         self.synchronize()
+        self._generation += 1
+        self._original_devices, self._original_layouts, self._awaiting_after = {}, {}, None
         self.blocks, self._hooks, self._slots, self._staging, self._occupant = [], [], [], [], []
         self._staging_read, self._staged = [], []
         self._last = self._previous = None
@@ -461,13 +480,16 @@ class LayerOffloadConductor:
 
         return hook
 
-    def before_layer(self, index: int, inputs: Sequence[torch.Tensor] = ()) -> None:
+    def before_layer(self, index: int, inputs: Any = ()) -> None:
         """Make block `index` resident before it runs and start copying the next one.
-        `inputs`: every tensor the block reads from its arguments (activation_offload keeps
-        those the caller holds, and what the next block reads, on the GPU: pass them)."""
-        block = self.blocks[index]
+        `inputs`: every tensor the block reads from its arguments, as a tensor or a (nested)
+        tuple, list or dict (activation_offload keeps those the caller holds, and what the next
+        block reads, on the GPU: pass them)."""
+        block = self._block(index)
+        inputs = _tensors(inputs)
         in_backward = torch._C._current_graph_task_id() != -1
         self._stop_saving()  # a forward that raised before its after_layer
+        self._check_after_layer_called(index, in_backward)
         if in_backward and (self._last, self._last_in_backward) == (index, True):
             self._wait(block)  # the same visit again (a recompute after the gradient hook's visit)
             return
@@ -495,10 +517,14 @@ class LayerOffloadConductor:
             claimed.add(ahead.slot)
             self._load(ahead, prefetch=True)
 
-    def after_layer(self, index: int, outputs: Sequence[torch.Tensor] = ()) -> None:
-        """Block `index` has run its forward and returned `outputs`: when backward reaches them,
-        the block is visited (loaded) again before any of its backward runs. With
-        activation_offload and no checkpoint, this ends the noting of what its forward saved."""
+    def after_layer(self, index: int, outputs: Any = ()) -> None:
+        """Block `index` has run its forward and returned `outputs` (a tensor or a nested tuple,
+        list or dict): when backward reaches them, the block is visited (loaded) again before
+        any of its backward runs. With activation_offload and no checkpoint, this ends the
+        noting of what its forward saved."""
+        self._block(index)
+        outputs = _tensors(outputs)
+        self._awaiting_after = None
         saving = self._stop_saving()
         if saving is not None:
             self._keep_saved(self.blocks[index], saving, outputs)
@@ -509,10 +535,39 @@ class LayerOffloadConductor:
                 tensor.register_hook(self._backward_visit(index))
 
     def _backward_visit(self, index: int):
+        generation = self._generation
+
         def hook(grad: torch.Tensor) -> None:
+            if generation != self._generation:
+                raise RuntimeError(
+                    f"backward reached the output of block {index} from a forward run before this "
+                    "LayerOffloadConductor's detach() (or a later attach()): its weights are gone from where "
+                    "autograd saved them. Run backward before detach(), or run the forward again"
+                )
             self.before_layer(index)
 
         return hook
+
+    def _block(self, index: int) -> _Block:
+        if not self.blocks:
+            raise RuntimeError("this LayerOffloadConductor is not attached; call attach(blocks) first")
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(self.blocks):
+            raise IndexError(f"block index must be an int in [0, {len(self.blocks)}), got {index!r}")
+        return self.blocks[index]
+
+    def _check_after_layer_called(self, index: int, in_backward: bool) -> None:
+        """Backward brings a block back only through the hooks after_layer puts on its outputs;
+        without them it would run on whatever weights its slot holds by then."""
+        awaiting = self._awaiting_after
+        if awaiting is not None and awaiting != index:  # the same index: a retried forward
+            self._warn_once(
+                "after_layer",
+                f"block {awaiting}'s forward got no after_layer({awaiting}, outputs) before block {index} was "
+                "visited: backward will not load its weights again, so its gradients would be computed with "
+                "another block's weights. Call after_layer after each block's forward (attach() with hooks=True "
+                "does it for you)",
+            )
+        self._awaiting_after = index if not in_backward and torch.is_grad_enabled() else None
 
     def _upcoming(self, index: int) -> Iterator[int]:
         """The blocks expected after `index`, in order, for one round: ascending in forward; at
@@ -852,11 +907,17 @@ def _tensors(values: Any) -> list[torch.Tensor]:
     return [v for v in tree_leaves(values) if isinstance(v, torch.Tensor)]
 
 
+def _owner(module: nn.Module) -> LayerOffloadConductor | None:
+    """The attached conductor that holds `module`, a module in it, or one of its parameters."""
+    ids = {id(t) for t in (*module.modules(), *module.parameters())}
+    return next((c for c in _ATTACHED if not ids.isdisjoint(c._owned)), None)
+
+
 def _named_blocks(blocks: nn.Module | Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
     """(name, block) in execution order from a model, a ModuleList, or a list of either."""
     if isinstance(blocks, nn.ModuleList):
-        return [(str(i), b) for i, b in enumerate(blocks)]
-    if isinstance(blocks, nn.Module):
+        blocks = list(blocks)
+    elif isinstance(blocks, nn.Module):
         return [named for block_list in resolve_block_lists(blocks, None) for named in block_list.named_blocks()]
     named: list[tuple[str, nn.Module]] = []
     for i, item in enumerate(blocks):

@@ -756,6 +756,23 @@ def test_bad_blocks_change_nothing() -> None:
         conductor.attach(Stack(n=2).blocks)
     with pytest.raises(ValueError, match="same block twice"):
         LayerOffloadConductor(device="cpu").attach([Stack(n=1).blocks[0]] * 2)
+    # Parts of attached blocks, or modules around them, belong to the first conductor.
+    with pytest.raises(RuntimeError, match="already attached to another"):
+        LayerOffloadConductor(device="cpu").attach([block.fc1 for block in model.blocks])
+    with pytest.raises(RuntimeError, match="already attached to another"):
+        LayerOffloadConductor(device="cpu").attach([nn.Sequential(*model.blocks[:2]), model.blocks[2]])
+    with pytest.raises(ValueError, match="got no blocks"):
+        LayerOffloadConductor(device="cpu").attach(nn.ModuleList())
+    for index in (-1, 4, True):
+        with pytest.raises(IndexError, match=r"block index must be an int in \[0, 4\)"):
+            conductor.before_layer(index)
+    with pytest.raises(RuntimeError, match="not attached"):
+        LayerOffloadConductor(device="cpu").before_layer(0)
+
+    model = Stack(n=2)
+    model.blocks[1].register_buffer("table", torch.zeros(3, device="meta"))
+    with pytest.raises(ValueError, match="all be on cpu"):
+        LayerOffloadConductor(device="cpu").attach(model.blocks)
 
 
 def test_allocation_failure_leaves_the_model_as_it_was(monkeypatch) -> None:
@@ -868,6 +885,47 @@ def test_trainer_driven_visits_without_hooks() -> None:
     grads = [p.grad for p in trainable(model)]
     _, expected = step(reference, (x, cond))
     assert all(torch.equal(g, e) for g, e in zip(grads, expected, strict=True))
+
+
+@pytest.mark.parametrize("bare", [True, False], ids=["bare-tensors", "tuples"])
+def test_trainer_driven_visits_take_bare_tensors_and_warn_without_after_layer(bare: bool) -> None:
+    reference = Stack(n=4, checkpointing=None)
+    model = copy_of(reference)
+    conductor = LayerOffloadConductor(offload_fraction=0.75, device="cpu").attach(model.blocks, hooks=False)
+    x, cond = stack_inputs()
+    h = x.detach().requires_grad_(True)
+    for index, block in enumerate(model.blocks):
+        conductor.before_layer(index, h if bare else (h, cond))
+        h = block(h, cond)
+        conductor.after_layer(index, h if bare else (h,))
+    h.square().mean().backward()
+    _, expected = step(reference, (x, cond))
+    assert all(torch.equal(p.grad, e) for p, e in zip(trainable(model), expected, strict=True))
+
+    conductor.before_layer(0, h)
+    with pytest.warns(RuntimeWarning, match="block 0's forward got no after_layer"):
+        conductor.before_layer(1, h)
+
+
+def test_backward_of_a_forward_from_before_detach_is_refused() -> None:
+    model = Stack(n=4, checkpointing=None)
+    conductor = LayerOffloadConductor(offload_fraction=0.5, device="cpu").attach(model.blocks)
+    loss = model(*stack_inputs()).square().mean()
+    conductor.detach()
+    conductor.attach(model.blocks)
+    with pytest.raises(RuntimeError, match="forward run before this LayerOffloadConductor's detach"):
+        loss.backward()
+
+
+def test_detach_gives_frozen_weights_back_in_their_layout() -> None:
+    model = Stack(n=2)
+    for block in model.blocks:
+        block.fc1.weight.data = block.fc1.weight.data.t().contiguous().t()  # column-major
+    before = [(p.stride(), p.clone()) for p in model.parameters()]
+    conductor = LayerOffloadConductor(offload_fraction=0.5, device="cpu").attach(model.blocks)
+    conductor.detach()
+    assert model.blocks[0].fc1.weight.stride() == (1, 4 * DIM)
+    assert all(p.stride() == s and torch.equal(p, v) for p, (s, v) in zip(model.parameters(), before, strict=True))
 
 
 def test_budgeted_compiled_blocks_stream_without_checkpointing() -> None:
