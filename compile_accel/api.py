@@ -184,7 +184,9 @@ def apply(
             for fn in shared.values():
                 fn.use_budget(budget, counts)
 
-        acceleration.auto_budget = AutoBudget(model, set_budget, stats, config.vram_limit_gib)
+        # What is compiled, and how, changes the peaks: part of the calibration cache's key.
+        compiled = repr(([r.name for r in regions], dataclasses.replace(config, vram_limit_gib=None)))
+        acceleration.auto_budget = AutoBudget(model, set_budget, stats, config.vram_limit_gib, compiled)
         acceleration.on_restore(acceleration.auto_budget.handle.remove)
     acceleration.on_restore(_watch_uncalled_regions(model, regions, stats).remove)
     model.__dict__[_MARK] = acceleration

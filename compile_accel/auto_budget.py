@@ -2,11 +2,13 @@
 
 On the model's first training forward, each candidate budget is compiled and run on that
 same batch: a forward and a backward of a stand-in loss (the mean square of the outputs),
-once to compile and once timed, with its peak allocated memory read. The fastest candidate
-that fits the limit is kept; if none fits, the one with the lowest peak, with a warning. The
-table and the choice are logged, returned in `stats()["auto_budget"]`, and cached in a JSON
-file keyed by model, input shapes, device, torch version and limit, so the next run of the
-same training skips calibration.
+once to compile and once timed, with its peak allocated memory read. A candidate that runs
+out of memory does not fit, and the larger ones (which save more) are not tried. The fastest
+candidate that fits the limit is kept; if none fits, the one with the lowest peak, with a
+warning. The table and the choice are logged, returned in `stats()["auto_budget"]`, and
+cached in a JSON file keyed by model (class, parameter counts, config), what is compiled and
+how, input shapes, device, torch version and limit, so the next run of the same training
+skips calibration.
 
 What it costs, once: a compile per candidate (cold, about what one budget's first step takes;
 seconds with a warm inductor cache) and two forward+backward passes per candidate. Gradients,
@@ -44,11 +46,15 @@ class Measurement:
     budget: float
     seconds: float
     peak_bytes: int
+    out_of_memory: bool = False  # the run raised torch.OutOfMemoryError (seconds and peak: 0)
 
 
 def choose(measurements: Iterable[Measurement], limit_bytes: int) -> tuple[Measurement, bool]:
-    """The fastest measurement within the limit (and True), else the lowest peak (and False)."""
-    measurements = list(measurements)
+    """The fastest measurement within the limit (and True), else the lowest peak (and False).
+    Runs that went out of memory never count; RuntimeError when every run did."""
+    measurements = [m for m in measurements if not m.out_of_memory]
+    if not measurements:
+        raise RuntimeError("activation_memory_budget='auto': every candidate budget ran out of memory on this batch")
     fitting = [m for m in measurements if m.peak_bytes <= limit_bytes]
     if fitting:
         return min(fitting, key=lambda m: (m.seconds, m.peak_bytes)), True
@@ -69,11 +75,13 @@ def cache_path() -> Path:
     return Path(root) / "auto_budget.json"
 
 
-def _cache_key(model: nn.Module, inputs: list[torch.Tensor], device: torch.device, limit: int) -> str:
+def _cache_key(model: nn.Module, compiled: str, inputs: list[torch.Tensor], device: torch.device, limit: int) -> str:
     parts = [
         type(model).__qualname__,
         sum(p.numel() for p in model.parameters()),
         sum(p.numel() for p in model.parameters() if p.requires_grad),
+        repr(getattr(model, "config", None)),  # e.g. a diffusers model's layers, heads, ...
+        compiled,
         [(tuple(t.shape), str(t.dtype)) for t in inputs],
         torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
         torch.__version__,
@@ -85,10 +93,21 @@ def _cache_key(model: nn.Module, inputs: list[torch.Tensor], device: torch.devic
 
 
 def _read_cache() -> dict[str, Any]:
+    path = cache_path()
     try:
-        return json.loads(cache_path().read_text())
-    except (OSError, ValueError):
+        cache = json.loads(path.read_text())
+    except FileNotFoundError:
         return {}
+    except (OSError, ValueError) as error:
+        cache = error
+    if not isinstance(cache, dict):
+        warn(f"the auto budget cache {path} is not a JSON object ({str(cache)[:80]}); it will be rewritten")
+        return {}
+    return cache
+
+
+def _valid_entry(entry: Any) -> bool:
+    return isinstance(entry, dict) and entry.get("budget") in CANDIDATES and isinstance(entry.get("fits"), bool)
 
 
 def _write_cache(key: str, entry: dict[str, Any]) -> None:
@@ -97,7 +116,9 @@ def _write_cache(key: str, entry: dict[str, Any]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         cache = _read_cache()
         cache[key] = entry
-        path.write_text(json.dumps(cache, indent=1))
+        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        partial.write_text(json.dumps(cache, indent=1))
+        os.replace(partial, path)  # another run reading it never sees half a file
     except OSError as error:
         warn(f"could not write the auto budget cache {path}: {error}")
 
@@ -150,9 +171,11 @@ class AutoBudget:
         set_budget: Callable[[float, Stats], None],
         stats: Stats,
         limit_gib: float | None,
+        compiled: str = "",
         measure: Measure = _measure,
     ) -> None:
         self.model = model
+        self.compiled = compiled  # what is compiled and how (regions, config): part of the cache key
         self.set_budget = set_budget
         self.stats = stats
         self.limit_gib = limit_gib
@@ -160,10 +183,20 @@ class AutoBudget:
         self.candidates = CANDIDATES
         self.result: dict[str, Any] | None = None
         self._running = False
+        self._warned_eval = False
         self.handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._running or not (module.training and torch.is_grad_enabled()):
+        if self._running or not torch.is_grad_enabled():
+            return None
+        if not module.training:
+            if not self._warned_eval:
+                self._warned_eval = True
+                warn(
+                    f"{type(module).__name__} runs with gradients in eval mode: activation_memory_budget='auto' "
+                    "calibrates on the first forward in training mode (model.train()), and until then the blocks "
+                    "run at PyTorch's default budget without checkpointing"
+                )
             return None
         self.handle.remove()
         self._running = True
@@ -182,12 +215,16 @@ class AutoBudget:
             limit = default_limit_bytes(device)
         else:
             raise ValueError("activation_memory_budget='auto' on a CPU needs CompileConfig.vram_limit_gib")
-        key = _cache_key(self.model, inputs, device, limit)
+        key = _cache_key(self.model, self.compiled, inputs, device, limit)
         cached = _read_cache().get(key)
-        if cached is not None:
+        if cached is not None and not _valid_entry(cached):
+            warn(f"ignoring a malformed entry of the auto budget cache {cache_path()}: {str(cached)[:80]}")
+        elif cached is not None:
             self.set_budget(cached["budget"], self.stats)
             self.result = {**cached, "cached": True}
             logger.info("auto activation memory budget %.2f (cached in %s)", cached["budget"], cache_path())
+            if not cached["fits"]:
+                self._warn_nothing_fits(limit, cached["budget"], cached.get("table", []))
             return self.result
 
         measurements, per_budget_stats = [], {}
@@ -200,18 +237,30 @@ class AutoBudget:
             # weights are not parameters of the model.
             leaves = _accumulating_leaves(loss)
             saved = [None if t.grad is None else t.grad.clone() for t in leaves]
-            loss.backward()
-            for t, grad in zip(leaves, saved):
-                t.grad = grad
+            try:
+                loss.backward()
+            finally:  # also when backward runs out of memory half way
+                for t, grad in zip(leaves, saved):
+                    t.grad = grad
 
         start = time.perf_counter()
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             for budget in self.candidates:
                 per_budget_stats[budget] = Stats(regions=self.stats.regions)
                 self.set_budget(budget, per_budget_stats[budget])
-                seconds, peak = self.measure(run, device, [*self.model.parameters()])
+                try:
+                    seconds, peak = self.measure(run, device, [*self.model.parameters()])
+                except torch.OutOfMemoryError:
+                    measurements.append(Measurement(budget, 0.0, 0, out_of_memory=True))
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                    break  # larger budgets save more
                 measurements.append(Measurement(budget, seconds, peak))
-        best, fits = choose(measurements, limit)
+        try:
+            best, fits = choose(measurements, limit)
+        except RuntimeError:
+            self.set_budget(self.candidates[0], self.stats)
+            raise
         self.set_budget(best.budget, self.stats)
         self.stats.absorb(per_budget_stats[best.budget])
         entry = {
@@ -223,14 +272,21 @@ class AutoBudget:
         _write_cache(key, entry)
         self.result = {**entry, "cached": False, "calibration_seconds": round(time.perf_counter() - start, 2)}
         table = "\n".join(
-            f"  budget {m.budget:.1f}: {m.seconds * 1e3:8.1f} ms, peak {m.peak_bytes / GIB:6.2f} GiB"
+            f"  budget {m.budget:.1f}: out of memory"
+            if m.out_of_memory
+            else f"  budget {m.budget:.1f}: {m.seconds * 1e3:8.1f} ms, peak {m.peak_bytes / GIB:6.2f} GiB"
             f"{'  <- chosen' if m is best else ''}{'' if m.peak_bytes <= limit else '  (over the limit)'}"
             for m in measurements
         )
         logger.info("auto activation memory budget over %.2f GiB:\n%s", limit / GIB, table)
         if not fits:
-            warn(
-                f"no activation memory budget fits {limit / GIB:.2f} GiB on this batch; using {best.budget} "
-                f"(lowest peak, {best.peak_bytes / GIB:.2f} GiB). Lower the batch size or resolution, or offload blocks"
-            )
+            self._warn_nothing_fits(limit, best.budget, entry["table"])
         return self.result
+
+    @staticmethod
+    def _warn_nothing_fits(limit: int, budget: float, table: list[dict[str, Any]]) -> None:
+        peak = next((m["peak_bytes"] for m in table if m["budget"] == budget), 0)
+        warn(
+            f"no activation memory budget fits {limit / GIB:.2f} GiB on this batch; using {budget} "
+            f"(lowest peak, {peak / GIB:.2f} GiB). Lower the batch size or resolution, or offload blocks"
+        )

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from .dynamo_settings import HAS_CACHE_ARTIFACTS
+from .stats import warn
 
 logger = logging.getLogger("compile_accel")
 
@@ -45,11 +46,14 @@ def save_compile_cache(path: str | os.PathLike) -> int:
 
 def load_compile_cache(path: str | os.PathLike) -> bool:
     """Fill this process's compile caches from `path` (call before the first step); False, with
-    a log line, when there is no such file."""
+    a log line, when there is no such file, and with a warning when torch cannot read it."""
     _require()
     if not Path(path).is_file():
         logger.info("compile cache: no %s yet; compiling from scratch", path)
         return False
     info = torch.compiler.load_cache_artifacts(Path(path).read_bytes())
+    if info is None:
+        warn(f"compile cache: torch could not read {path} (corrupt or from another torch); compiling from scratch")
+        return False
     logger.info("compile cache: loaded %s (%s)", path, info)
     return True

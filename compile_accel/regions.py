@@ -207,10 +207,14 @@ def _canonical_inputs(args: tuple, kwargs: dict, training: bool) -> tuple[tuple,
     return args, kwargs, aliased_views
 
 
-def _under_outer_checkpoint(module: nn.Module) -> bool:
-    """True when this call runs inside torch.utils.checkpoint (reentrant: training forward
-    with grad off; non-reentrant: checkpoint's saved-tensor hooks are active)."""
-    return (module.training and not torch.is_grad_enabled()) or under_saved_tensor_checkpoint()
+def _under_outer_checkpoint() -> bool | None:
+    """Whether this call runs inside torch.utils.checkpoint; None when a call cannot tell: a
+    forward with grad off is a reentrant checkpoint's first pass or plain validation, so the
+    answer waits for a call with grad on (non-reentrant: checkpoint's saved-tensor hooks are
+    active; reentrant: its recompute runs the forward inside backward)."""
+    if not torch.is_grad_enabled():
+        return None
+    return under_saved_tensor_checkpoint() or torch._C._current_graph_task_id() != -1
 
 
 _module_tree_changes = [0]  # registrations of a child, parameter or buffer in any module
@@ -279,8 +283,9 @@ class Region:
             shared.stats.eager_nonresident_calls += 1
             return self.eager(*args, **kwargs)
         if self.check_outer_checkpoint:
-            self.check_outer_checkpoint = False
-            if _under_outer_checkpoint(self.module):
+            under = _under_outer_checkpoint()
+            self.check_outer_checkpoint = under is None
+            if under:
                 shared.note_still_checkpointed([self.name], "called inside torch.utils.checkpoint")
         ensure_thread_settings(self.recompile_limit)
         args, kwargs, aliased_views = _canonical_inputs(args, kwargs, self.module.training and torch.is_grad_enabled())

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import build, inputs_for, lora_step, relative_error
@@ -23,17 +25,29 @@ def test_choose_fastest_within_the_limit() -> None:
     assert choose(table, 4) == (table[0], False)  # nothing fits: the lowest peak
 
 
-def _scripted(candidates: tuple[float, ...], calls: list[float]):
+def _scripted(candidates: tuple[float, ...], calls: list[float], out_of_memory_from: float = 2.0):
     """A measurement that runs the step (so the budget really compiles) and reports the numbers
-    of PEAKS and SECONDS."""
+    of PEAKS and SECONDS; from budget `out_of_memory_from` on, the backward runs out of memory."""
 
     def measure(run, device, parameters):
         budget = candidates[len(calls)]
         calls.append(budget)
+        if budget >= out_of_memory_from:
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(torch.Tensor, "backward", _out_of_memory(torch.Tensor.backward))
+                run()
         run()
         return SECONDS[budget], int(PEAKS[budget] * GIB)
 
     return measure
+
+
+def _out_of_memory(real_backward):
+    def backward(tensor: torch.Tensor, *args, **kwargs) -> None:
+        real_backward(tensor, *args, **kwargs)  # gradients written, then the allocator gives up
+        raise torch.OutOfMemoryError("CUDA out of memory (scripted)")
+
+    return backward
 
 
 PEAKS = {0.0: 1.0, 0.1: 1.5, 0.3: 2.0, 0.5: 2.5, 0.7: 3.0, 1.0: 4.0}
@@ -47,13 +61,20 @@ def private_cache(tmp_path, monkeypatch):
 
 
 def _auto(
-    model: torch.nn.Module, limit_gib: float, calls: list[float], candidates: tuple[float, ...] = CANDIDATES
+    model: torch.nn.Module,
+    limit_gib: float,
+    calls: list[float],
+    candidates: tuple[float, ...] = CANDIDATES,
+    out_of_memory_from: float = 2.0,
+    **config,
 ) -> compile_accel.Acceleration:
     """apply() with activation_memory_budget="auto", measured by the scripted PEAKS/SECONDS table;
     fewer candidates calibrate faster (each one compiles every block kind)."""
-    config = CompileConfig(mode="blocks", activation_memory_budget="auto", vram_limit_gib=limit_gib, backend=BACKEND)
+    config = CompileConfig(
+        mode="blocks", activation_memory_budget="auto", vram_limit_gib=limit_gib, backend=BACKEND, **config
+    )
     acceleration = compile_accel.apply(model, config)
-    acceleration.auto_budget.measure = _scripted(candidates, calls)
+    acceleration.auto_budget.measure = _scripted(candidates, calls, out_of_memory_from)
     acceleration.auto_budget.candidates = candidates
     return acceleration
 
@@ -128,3 +149,73 @@ def test_chosen_budget_reuses_its_calibration_graphs() -> None:
     lora_step(model, params, inputs)
     assert acceleration.stats()["unique_graphs"] == after_calibration["unique_graphs"] == 2
     assert acceleration.stats()["recompiles"] == 0
+
+
+def test_out_of_memory_ends_the_search_and_leaves_gradients_alone() -> None:
+    model, params = build("kohya", None)
+    inputs = inputs_for(model)
+    expected_loss, expected_grads = lora_step(model, params, inputs)
+    calls: list[float] = []
+    acceleration = _auto(model, 10.0, calls, candidates=(0.0, 0.5, 1.0), out_of_memory_from=0.5)
+    loss, grads = lora_step(model, params, inputs)
+    assert calls == [0.0, 0.5]  # 1.0 saves more than 0.5, which already ran out of memory
+    result = acceleration.stats()["auto_budget"]
+    assert result["budget"] == 0.0 and result["fits"]
+    assert [m["out_of_memory"] for m in result["table"]] == [False, True]
+    assert relative_error(loss, expected_loss) < 1e-4
+    assert all(relative_error(g, e) < 1e-4 for g, e in zip(grads, expected_grads, strict=True))
+
+
+def test_cache_tells_apart_what_is_compiled() -> None:
+    measured = []
+    for exclude in ([], ["single_blocks.*"], ["single_blocks.*"]):
+        torch._dynamo.reset()
+        model, params = build("kohya", None)
+        calls: list[float] = []
+        _auto(model, 2.6, calls, candidates=(0.0, 1.0), exclude=exclude)
+        lora_step(model, params, inputs_for(model))
+        measured.append(bool(calls))
+    assert measured == [True, True, False]  # another exclude calibrates anew; the same one is cached
+
+
+def test_malformed_cache_warns_and_calibrates_again() -> None:
+    model, params = build("kohya", None)
+    _auto(model, 2.6, [], candidates=(0.0, 1.0))
+    lora_step(model, params, inputs_for(model))
+    cache = json.loads(cache_path().read_text())
+    cache_path().write_text(json.dumps({key: {**entry, "budget": "0.5"} for key, entry in cache.items()}))
+    torch._dynamo.reset()
+    model, params = build("kohya", None)
+    calls: list[float] = []
+    _auto(model, 2.6, calls, candidates=(0.0, 1.0))
+    with pytest.warns(RuntimeWarning, match="malformed entry"):
+        lora_step(model, params, inputs_for(model))
+    assert calls == [0.0, 1.0]
+
+    cache_path().write_text("[]")
+    torch._dynamo.reset()
+    model, params = build("kohya", None)
+    calls.clear()
+    _auto(model, 2.6, calls, candidates=(0.0, 1.0))
+    with pytest.warns(RuntimeWarning, match="not a JSON object"):
+        lora_step(model, params, inputs_for(model))
+    assert calls == [0.0, 1.0] and isinstance(json.loads(cache_path().read_text()), dict)
+
+
+def test_a_cached_choice_that_does_not_fit_still_warns() -> None:
+    for _ in range(2):
+        torch._dynamo.reset()
+        model, params = build("kohya", None)
+        _auto(model, 0.5, [], candidates=(0.5, 0.0))
+        with pytest.warns(RuntimeWarning, match="no activation memory budget fits"):
+            lora_step(model, params, inputs_for(model))
+
+
+def test_training_in_eval_mode_warns_that_calibration_waits() -> None:
+    model, params = build("kohya", None)
+    calls: list[float] = []
+    acceleration = _auto(model, 2.6, calls)
+    model.eval()
+    with pytest.warns(RuntimeWarning, match="calibrates on the first forward in training mode"):
+        model(*inputs_for(model)).square().mean().backward()
+    assert calls == [] and acceleration.stats()["auto_budget"] is None

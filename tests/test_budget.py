@@ -3,6 +3,8 @@ checkpointing it replaces."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch._functorch.config
@@ -100,14 +102,15 @@ class _PlainBlock(nn.Module):
 
 
 class _Stack(nn.Module):
-    def __init__(self, block: type[nn.Module], checkpoint_outside: bool = False) -> None:
+    def __init__(self, block: type[nn.Module], checkpoint_outside: bool = False, reentrant: bool = False) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(block() for _ in range(2))
         self.checkpoint_outside = checkpoint_outside
+        self.reentrant = reentrant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False) if self.checkpoint_outside else block(x)
+            x = checkpoint(block, x, use_reentrant=self.reentrant) if self.checkpoint_outside else block(x)
         return x
 
 
@@ -150,3 +153,16 @@ def test_block_still_under_a_checkpoint_is_named(model, where: str) -> None:
     with pytest.warns(RuntimeWarning, match="still checkpointed"):
         model(x).sum().backward()
     assert acceleration.stats()["still_checkpointed"] == ["blocks.0", "blocks.1"]
+
+
+def test_validation_without_grad_is_no_checkpoint_and_a_reentrant_recompute_is_one() -> None:
+    model = _Stack(_PlainBlock, checkpoint_outside=True, reentrant=True)
+    acceleration = compile_accel.apply(model, CompileConfig(mode="blocks", activation_memory_budget=0.5))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # compile_accel's warnings
+        model(torch.randn(4, 8))  # validation in training mode: tells nothing either way
+    assert acceleration.stats()["still_checkpointed"] == []
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.warns(RuntimeWarning, match="still checkpointed"):
+        model(x).sum().backward()  # reentrant checkpoint: grad off in forward, recompute in backward
+    assert sorted(acceleration.stats()["still_checkpointed"]) == ["blocks.0", "blocks.1"]

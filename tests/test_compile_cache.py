@@ -47,3 +47,11 @@ def test_artifacts_give_a_fresh_cache_directory_its_graphs(tmp_path) -> None:
 @pytest.mark.skipif(not HAS_CACHE_ARTIFACTS, reason="torch without cache artifacts")
 def test_missing_artifacts_file_is_not_an_error(tmp_path) -> None:
     assert load_compile_cache(tmp_path / "none.bin") is False
+
+
+@pytest.mark.skipif(not HAS_CACHE_ARTIFACTS, reason="torch without cache artifacts")
+def test_unreadable_artifacts_file_is_reported_not_loaded(tmp_path) -> None:
+    path = tmp_path / "garbage.bin"
+    path.write_bytes(b"not a pickle of cache artifacts")
+    with pytest.warns(RuntimeWarning, match="could not read"):
+        assert load_compile_cache(path) is False
