@@ -115,7 +115,7 @@ def _check_backend(config: CompileConfig) -> None:
     except Exception:
         raise ValueError(
             f"CompileConfig.backend {config.backend!r} is not a torch.compile backend; "
-            f"known: {torch._dynamo.list_backends()}"
+            f"known: {torch._dynamo.list_backends(exclude_tags=())}"
         ) from None
 
 
@@ -131,6 +131,8 @@ def apply(
     `restore()` first. Bad input raises before anything is changed.
     """
     config = config or CompileConfig()
+    if not isinstance(config, CompileConfig):
+        raise TypeError(f"apply() takes a CompileConfig, got {type(config).__name__}")
     config.validate()
     _check_model(model)
     if config.mode != "off":
@@ -222,6 +224,8 @@ def apply_prepared(
     which `restore()` runs, or which runs at once if `apply` raises. Mode "off" leaves the model
     as it is, rewrite included (the eager baseline of a benchmark)."""
     config = config or CompileConfig()
+    if not isinstance(config, CompileConfig):
+        raise TypeError(f"apply() takes a CompileConfig, got {type(config).__name__}")
     config.validate()
     _check_model(model)  # before the rewrite: a second apply must not touch the first one's
     undo = prepare(model) if prepare and config.mode != "off" else None

@@ -59,6 +59,8 @@ def resolve_block_lists(model: nn.Module, spec: Sequence[str | nn.ModuleList] | 
         return found
     if isinstance(spec, (str, nn.ModuleList)):
         spec = [spec]
+    if len(spec) == 0:
+        raise ValueError("blocks=[] names no block list; pass None to find the repeated blocks")
     candidates = [bl.path for bl in found]
     path_of = {id(m): name for name, m in model.named_modules()}
     resolved = []
@@ -84,5 +86,9 @@ def resolve_block_lists(model: nn.Module, spec: Sequence[str | nn.ModuleList] | 
             raise ValueError(f"blocks: entries must be attribute paths or ModuleLists, got {type(item).__name__}")
         if len(modules) == 0:
             raise ValueError(f"blocks: {path!r} is empty")
+        if len({id(m) for m in modules}) != len(modules):
+            raise ValueError(f"blocks: {path!r} holds the same module more than once")
+        if any(bl.path == path for bl in resolved):
+            raise ValueError(f"blocks: {path!r} is given twice")
         resolved.append(BlockList(path, modules))
     return resolved

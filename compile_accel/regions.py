@@ -43,8 +43,12 @@ class CompiledFunction:
         self.config = config
         self.recompile_limit = config.recompile_limit
         self.regions: list[str] = []
-        self.failure: str | None = None
-        self.has_graph = False  # until dynamo has compiled one, each call is checked for running eager
+        self.region_kinds: dict[str, type] = {}  # region name -> its module's class
+        self.failure: str | None = None  # the compile raised: every region runs eager
+        self.failed_kinds: dict[type, str] = {}  # dynamo compiled no graph for this class: eager
+        # (module class, grad mode) pairs dynamo has compiled a graph for. The first call in a new
+        # pair is checked for compiling none; dynamo guards both, so that call must compile one.
+        self.compiled_contexts: set[tuple[type, bool]] = set()
         self._warned_checkpoint = False
         self._by_budget: dict[float | None, tuple[RegionBackend, Callable]] = {}
         budget = config.activation_memory_budget
@@ -74,12 +78,17 @@ class CompiledFunction:
     def name(self) -> str:
         return getattr(self.fn, "__qualname__", repr(self.fn))
 
-    def fail(self, reason: str) -> None:
-        """Every region of this function runs eager from now on; one warning says so."""
-        self.failure = reason
-        self.stats.fallbacks.extend((region, reason) for region in self.regions)
+    def fail(self, reason: str, kind: type | None = None) -> None:
+        """Every region of this function (of class `kind` only, if given) runs eager from now
+        on; one warning says so."""
+        if kind is None:
+            self.failure = reason
+        else:
+            self.failed_kinds[kind] = reason
+        regions = [r for r in self.regions if kind is None or self.region_kinds[r] is kind]
+        self.stats.fallbacks.extend((region, reason) for region in regions)
         warn(
-            f"{self.name} (regions {', '.join(self.regions[:3])}{', ...' if len(self.regions) > 3 else ''}) "
+            f"{self.name} (regions {', '.join(regions[:3])}{', ...' if len(regions) > 3 else ''}) "
             f"could not be compiled and runs eager: {reason}"
         )
 
@@ -192,7 +201,9 @@ def _canonical_inputs(args: tuple, kwargs: dict, training: bool) -> tuple[tuple,
             and not value.is_contiguous(memory_format=torch.channels_last)
             and not _is_broadcast_mask(value)
         ):
-            value = value.clone(memory_format=torch.contiguous_format)
+            copy = value.clone(memory_format=torch.contiguous_format)
+            aliased_views.append((copy, copy._version))  # an in-place change would not reach `value`
+            value = copy
         if value.requires_grad:
             if not value._is_view():
                 return value
@@ -200,7 +211,8 @@ def _canonical_inputs(args: tuple, kwargs: dict, training: bool) -> tuple[tuple,
             aliased_views.append((alias, alias._version))
             return alias
         if training and value.is_floating_point():
-            return value.detach().requires_grad_(True)
+            # Not a leaf, so an in-place change in the block is allowed as in eager (same storage).
+            return _NotAView.apply(value.detach().requires_grad_(True))
         return value.detach()
 
     args, kwargs = tuple(canonical(v) for v in args), {k: canonical(v) for k, v in kwargs.items()}
@@ -251,6 +263,7 @@ class Region:
         _watch_module_trees()
         self.__wrapped__ = self.eager  # inspect.signature(module.forward) still shows the real one
         shared.regions.append(name)
+        shared.region_kinds[name] = type(module)
 
     def install(self) -> None:
         self.module.forward = self
@@ -277,7 +290,7 @@ class Region:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
         shared = self.shared
-        if shared.failure is not None:
+        if shared.failure is not None or type(self.module) in shared.failed_kinds:
             return self.eager(*args, **kwargs)
         if not self._resident(_tensors(args, kwargs)):
             shared.stats.eager_nonresident_calls += 1
@@ -291,7 +304,9 @@ class Region:
         args, kwargs, aliased_views = _canonical_inputs(args, kwargs, self.module.training and torch.is_grad_enabled())
         stats = shared.stats
         graphs, breaks, start = stats.graphs, graph_break_total(), time.perf_counter()
-        break_reasons = None if shared.has_graph else dict(torch._dynamo.utils.counters["graph_break"])
+        context = (type(self.module), torch.is_grad_enabled())
+        new_context = context not in shared.compiled_contexts
+        break_reasons = dict(torch._dynamo.utils.counters["graph_break"]) if new_context else None
         try:
             if self.owner is None:
                 out = shared.compiled(*args, **kwargs)
@@ -301,24 +316,28 @@ class Region:
             # fullgraph=True turns the limit into an error; the watcher has warned and counted.
             return self.eager(*args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as error:
+            # A call that is wrong in itself (a bad input shape) raises eager too, with the real
+            # error, and compiling stays on.
+            out = self.eager(*args, **kwargs)
             shared.fail(_failure_reason(error))
-            return self.eager(*args, **kwargs)
+            return out
         if any(alias._version != version for alias, version in aliased_views):
             raise RuntimeError(
-                f"compile_accel: {self.name} changed a view input in place; compiled regions get views as plain "
-                "tensors, so its base's gradient would be wrong. Leave the module eager (CompileConfig.exclude)."
+                f"compile_accel: {self.name} changed a view or non-contiguous input in place; compiled regions get "
+                "such inputs as plain (or copied) tensors, so the change or its base's gradient would be lost. "
+                "Leave the module eager (CompileConfig.exclude)."
             )
         new_breaks = graph_break_total() - breaks
         if stats.graphs != graphs or new_breaks:
             stats.compile_seconds += time.perf_counter() - start
             stats.graph_breaks += new_breaks
         if stats.graphs != graphs:
-            shared.has_graph = True
+            shared.compiled_contexts.add(context)
             if shared.backend.saw_checkpoint:
                 shared.backend.saw_checkpoint = False
                 shared.note_still_checkpointed(shared.regions, "their forward calls torch.utils.checkpoint")
         elif break_reasons is not None and not torch.compiler.is_compiling():
             # Dynamo ran the whole forward eager: typically a graph break inside a checkpoint,
             # which makes dynamo run the entire checkpointed call eager.
-            shared.fail(_no_graph_reason(break_reasons))
+            shared.fail(_no_graph_reason(break_reasons), kind=type(self.module))
         return out

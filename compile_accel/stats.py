@@ -29,6 +29,8 @@ class Stats:
     the grad mode and autocast. `unique_graphs` counts signatures; `recompiles` counts graphs
     compiled again for a signature that already had one (a per-block Python constant, a config
     change): compile time spent for nothing. A new shape is a new graph, not a recompile.
+    Python argument values and inference mode are not in the signature: graphs for those
+    count as recompiles too.
     """
 
     regions: int = 0

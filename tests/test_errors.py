@@ -48,6 +48,12 @@ def test_unknown_block_path_lists_candidates() -> None:
         compile_accel.apply(model, CompileConfig(mode="blocks"), blocks=["layers"])
     with pytest.raises(ValueError, match="not a ModuleList"):
         compile_accel.apply(model, CompileConfig(mode="blocks"), blocks=["img_in"])
+    with pytest.raises(ValueError, match="names no block list"):
+        compile_accel.apply(model, CompileConfig(mode="blocks"), blocks=[])
+    with pytest.raises(ValueError, match="'double_blocks' is given twice"):
+        compile_accel.apply(model, CompileConfig(mode="blocks"), blocks=["double_blocks", "double_blocks"])
+    with pytest.raises(TypeError, match="takes a CompileConfig, got str"):
+        compile_accel.apply(model, "blocks")
     _untouched(model, [False, False])
 
 
@@ -102,5 +108,5 @@ def test_in_place_change_of_a_view_input_is_an_error() -> None:
 
     model = Model()
     compile_accel.apply(model, CompileConfig(mode="blocks", backend="aot_eager"))
-    with pytest.raises(RuntimeError, match="changed a view input in place"):
+    with pytest.raises(RuntimeError, match="changed a view or non-contiguous input in place"):
         model(torch.randn(2, 6, requires_grad=True) * 1)

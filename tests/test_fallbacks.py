@@ -56,6 +56,28 @@ def test_checkpointed_block_that_dynamo_runs_eager_is_a_fallback() -> None:
     assert all(relative_error(g, e) < 1e-6 for g, e in zip(grads, expected_grads, strict=True))
 
 
+def test_no_graph_fallback_is_per_block_class_and_checked_again_when_grad_mode_changes() -> None:
+    """Both block classes share one forward (the checkpoint mixin's). Only the double blocks'
+    rotary is excluded (a graph break), so only they compile no graph once checkpointed in
+    training; an earlier eval call without grad compiled graphs for both and must not hide that."""
+    model, params = build("kohya", "non-reentrant")
+    inputs = inputs_for(model)
+    expected_loss, expected_grads = lora_step(model, params, inputs)
+    config = CompileConfig(mode="blocks", exclude=["double_blocks.*.rope"], backend="aot_eager")
+    acceleration = compile_accel.apply(model, config)
+    model.eval()
+    with torch.no_grad():
+        model(*inputs)
+    model.train()
+    with pytest.warns(RuntimeWarning, match="compiled no graph"):
+        loss, grads = lora_step(model, params, inputs)
+    stats = acceleration.stats()
+    assert {f["region"] for f in stats["fallbacks"]} == {"double_blocks.0", "double_blocks.1"}
+    assert stats["compiled_regions"] == 2
+    assert relative_error(loss, expected_loss) < 1e-6
+    assert all(relative_error(g, e) < 1e-6 for g, e in zip(grads, expected_grads, strict=True))
+
+
 class _Talkative(nn.Module):
     """Graph-breaks on purpose (a print), which fullgraph=True turns into a compile error."""
 
@@ -195,3 +217,15 @@ def test_selective_looks_into_forwardless_children_and_warns_about_uncalled_regi
     stats = acceleration.stats()
     assert stats["uncalled_regions"] == ["blocks.0.projection", "blocks.1.projection"]
     assert stats["unique_graphs"] == 2  # LayerNorm and Linear: the part's children are compiled
+
+
+def test_a_wrong_call_raises_its_own_error_and_leaves_compiling_on() -> None:
+    model = _Stack([nn.Linear(8, 8) for _ in range(3)])
+    x = torch.randn(4, 8)
+    expected = model(x)
+    acceleration = compile_accel.apply(model, CompileConfig(mode="blocks", backend="aot_eager"))
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        model(torch.randn(4, 5))  # eager's own error, not a compile failure
+    torch.testing.assert_close(model(x), expected)
+    stats = acceleration.stats()
+    assert stats["fallbacks"] == [] and stats["compiled_regions"] == 3 and stats["unique_graphs"] >= 1

@@ -3,6 +3,7 @@ restore() gives eager back, `.data` swaps do not recompile, non-resident regions
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 from conftest import build, inputs_for, lora_step, relative_error
@@ -118,3 +119,45 @@ def test_modules_outside_blocks_are_untouched() -> None:
         assert not isinstance(module.__dict__.get("forward"), Region)
     assert isinstance(model.double_blocks[0].__dict__.get("forward"), Region)
     assert isinstance(model, nn.Module)
+
+
+class _Accumulating(nn.Module):
+    """Adds into a buffer it is given: in-place on an input, fine in eager."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        total.add_(1.0)
+        return self.lin(x) + total.sum()
+
+
+class _AccumulatingStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Accumulating() for _ in range(2))
+
+    def forward(self, x: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, total)
+        return x
+
+
+def test_in_place_change_of_an_input_that_needs_no_grad_trains_as_in_eager() -> None:
+    model = _AccumulatingStack()
+    x = torch.randn(4, 8, requires_grad=True)
+    expected_total = torch.zeros(3)
+    expected = model(x, expected_total)
+    compile_accel.apply(model, CompileConfig(mode="blocks", backend="aot_eager"))
+    total = torch.zeros(3)
+    torch.testing.assert_close(model(x, total), expected)
+    torch.testing.assert_close(total, expected_total)
+
+
+def test_in_place_change_of_a_copied_input_is_an_error_not_a_lost_update() -> None:
+    model = _AccumulatingStack()
+    compile_accel.apply(model, CompileConfig(mode="blocks", backend="aot_eager"))
+    total = torch.zeros(3, 2).t()  # not contiguous: the region gets a contiguous copy
+    with torch.no_grad(), pytest.raises(RuntimeError, match="changed a view or non-contiguous input in place"):
+        model(torch.randn(4, 8), total)
