@@ -470,13 +470,13 @@ class LayerOffloadConductor:
 
     def _pre_hook(self, index: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            self.before_layer(index, _tensors((args, kwargs)))
+            self.before_layer(index, (args, kwargs))  # before_layer takes the tensors out
 
         return hook
 
     def _post_hook(self, index: int):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            self.after_layer(index, _tensors(output))
+            self.after_layer(index, output)
 
         return hook
 
