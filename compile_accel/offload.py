@@ -522,12 +522,12 @@ class LayerOffloadConductor:
         list or dict): when backward reaches them, the block is visited (loaded) again before
         any of its backward runs. With activation_offload and no checkpoint, this ends the
         noting of what its forward saved."""
-        self._block(index)
+        block = self._block(index)
         outputs = _tensors(outputs)
         self._awaiting_after = None
         saving = self._stop_saving()
         if saving is not None:
-            self._keep_saved(self.blocks[index], saving, outputs)
+            self._keep_saved(block, saving, outputs)
         if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
             return
         for tensor in outputs:
