@@ -119,6 +119,15 @@ def _check_backend(config: CompileConfig) -> None:
         ) from None
 
 
+def _checked_config(config: CompileConfig | None) -> CompileConfig:
+    """The config (the default one for None), validated; bad input raises before anything changes."""
+    config = config or CompileConfig()
+    if not isinstance(config, CompileConfig):
+        raise TypeError(f"apply() takes a CompileConfig, got {type(config).__name__}")
+    config.validate()
+    return config
+
+
 def apply(
     model: nn.Module,
     config: CompileConfig | None = None,
@@ -130,10 +139,7 @@ def apply(
     no parameter and no state-dict key. A second call on the same model raises; call
     `restore()` first. Bad input raises before anything is changed.
     """
-    config = config or CompileConfig()
-    if not isinstance(config, CompileConfig):
-        raise TypeError(f"apply() takes a CompileConfig, got {type(config).__name__}")
-    config.validate()
+    config = _checked_config(config)
     _check_model(model)
     if config.mode != "off":
         _check_backend(config)
@@ -223,10 +229,7 @@ def apply_prepared(
     """`apply` after an integration's rewrite of the model: `prepare(model)` returns its undo,
     which `restore()` runs, or which runs at once if `apply` raises. Mode "off" leaves the model
     as it is, rewrite included (the eager baseline of a benchmark)."""
-    config = config or CompileConfig()
-    if not isinstance(config, CompileConfig):
-        raise TypeError(f"apply() takes a CompileConfig, got {type(config).__name__}")
-    config.validate()
+    config = _checked_config(config)
     _check_model(model)  # before the rewrite: a second apply must not touch the first one's
     undo = prepare(model) if prepare and config.mode != "off" else None
     try:
