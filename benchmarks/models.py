@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import importlib
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +28,10 @@ TINY_CONFIGS = {
 TINY_SHAPES = {"cpu": {"batch": 2, "res": 32, "text_len": 32}, "cuda": {"batch": 2, "res": 128, "text_len": 256}}
 
 
+def _nothing() -> None:
+    pass
+
+
 @dataclass
 class BenchModel:
     description: str
@@ -34,6 +43,9 @@ class BenchModel:
     accelerate: Callable[[nn.Module, CompileConfig], Acceleration] = compile_accel.apply
     exclude: list[str] = field(default_factory=list)
     wrapper: nn.Module | None = None  # DistributedDataParallel around `model`, when the mode asks for it
+    # sd-scripts' prepare_block_swap_before_forward with --blocks-to-swap: the swapped blocks back
+    # where a forward starts, after a step cut short (a forward's backward brings them back itself).
+    reset_block_swap: Callable[[], None] = _nothing
 
     def predict(self) -> torch.Tensor:
         return self.forward(self.model if self.wrapper is None else self.wrapper)
@@ -201,48 +213,281 @@ def wan(device: str, lora_rank: int, batch: int | None, res: int | None) -> Benc
     return _diffusers_bench(description, model, params, inputs)
 
 
-def sdscripts_lumina2(device: str, lora_rank: int, batch: int | None, res: int | None) -> BenchModel:
-    """kohya sd-scripts' NextDiT at full size (NextDiT_2B_GQA_patch2_Adaln_Refiner), random bf16
-    weights, sd-scripts' own LoRA (networks/lora_lumina.py, fp32 weights, which need the runner's
-    bf16 autocast, as in its trainer), 256 caption tokens. Imports from $SD_SCRIPTS_DIR
-    (default: .sd-scripts/ in this repository)."""
-    import os
-    import sys
+# ---- kohya sd-scripts' own models and LoRA networks, imported from $SD_SCRIPTS_DIR ----------
 
+# Tests swap in small configs: FLUX_CONFIG overrides fields of sd-scripts' configs["dev"].params,
+# SD3_CONFIG fields of SD3_MEDIUM (the SD3Params sd3_utils.analyze_state_dict_state reads from the
+# SD3 medium checkpoint). The SDXL U-Net takes its size from sd-scripts' module constants.
+FLUX_CONFIG: dict = {}
+SD3_MEDIUM: dict = dict(
+    patch_size=2,
+    depth=24,
+    num_patches=192 * 192,
+    pos_embed_max_size=192,
+    adm_in_channels=2048,
+    qk_norm=None,
+    x_block_self_attn_layers=[],
+    context_embedder_in_features=4096,
+    context_embedder_out_features=1536,
+    model_type="medium",
+)
+SD3_CONFIG: dict = {}
+
+
+@dataclass(frozen=True)
+class SdScriptsOptions:
+    """sd-scripts' own memory options, as `compile-accel bench` passes them to the sd-scripts models."""
+
+    fp8_base: bool = False  # --fp8_base
+    blocks_to_swap: int | None = None  # --blocks_to_swap
+
+
+@dataclass
+class SdScriptsModel:
+    """What differs between the sd-scripts models: the rest (casting, LoRA, placement) is the trainers'."""
+
+    description: str
+    make: Callable[[], nn.Module]  # the base model at random weights, as the trainer's loader builds it
+    network: str  # sd-scripts' LoRA module, networks/<network>.py
+    text_encoders: int  # how many its create_network is given (none gets LoRA: the U-Net/DiT alone trains)
+    call: Callable[[nn.Module], torch.Tensor]  # the forward, as the trainer calls the model
+    latents: torch.Tensor  # the noisy input; the prediction has its shape
+    conditions: list[torch.Tensor]  # the other float inputs the trainer makes require grad
+
+
+def _sd_scripts_path() -> None:
+    """Make sd-scripts' `library` and `networks` importable (default: .sd-scripts/ in this repository)."""
+    root = os.environ.get("SD_SCRIPTS_DIR", str(Path(__file__).resolve().parent.parent / ".sd-scripts"))
+    if root not in sys.path:
+        sys.path.insert(0, root)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _sd_scripts_base(make: Callable[[], nn.Module], device: str, options: SdScriptsOptions) -> nn.Module:
+    """The frozen base model as the trainers load it. Built in bf16 (a full-size fp32 copy would not
+    fit where the bf16 one does). fp8_base casts the whole model, every float parameter and buffer,
+    to float8_e4m3fn, as flux/sd3/lumina_train_network.py's load_target_model do
+    (`model.to(torch.float8_e4m3fn)`) and train_network.py does for --fp8_base
+    (`unet.to(dtype=unet_weight_dtype)`); the forward then relies on bf16 autocast to compute
+    in bf16. blocks_to_swap calls enable_block_swap(N, device), as they do; the swapped blocks'
+    weights go to the host when the model is placed."""
+    # Random weights are drawn on the device: initialising a 12B model on the host takes minutes
+    # per mode. bf16 Flux-dev (22.2 GiB) still fits a 24 GiB cap before the fp8 cast halves it.
+    with torch.device(device), _default_dtype(torch.bfloat16):
+        model = make()
+    model.to(torch.float8_e4m3fn if options.fp8_base else torch.bfloat16).requires_grad_(False)
+    if options.blocks_to_swap:
+        model.enable_block_swap(options.blocks_to_swap, torch.device(device))
+    return model
+
+
+def _sd_scripts_lora(model: nn.Module, spec: SdScriptsModel, rank: int, device: str) -> nn.Module:
+    """sd-scripts' own LoRA network (alpha = rank) applied to the model alone, kept fp32 on the
+    device as train_network.py keeps it (the base model's casts do not reach it: apply_to wraps
+    the modules' forward without making the network their child)."""
+    module = importlib.import_module(f"networks.{spec.network}")
+    network = module.create_network(1.0, rank, rank, None, [nn.Module() for _ in range(spec.text_encoders)], model)
+    network.apply_to([], model, apply_text_encoder=False, apply_unet=True)
+    return network.to(device).requires_grad_(True)
+
+
+def _place(model: nn.Module, device: str, blocks_to_swap: int | None) -> None:
+    """On the device as the trainers' prepare_unet_with_accelerator leaves it: with block swap, all
+    but the swapped blocks' weights (move_to_device_except_swap_blocks, then
+    prepare_block_swap_before_forward); without, the whole model."""
+    if blocks_to_swap:
+        model.move_to_device_except_swap_blocks(torch.device(device))
+        model.prepare_block_swap_before_forward()
+    else:
+        model.to(device)
+
+
+def _sd_scripts_bench(spec: SdScriptsModel, device: str, lora_rank: int, options: SdScriptsOptions) -> BenchModel:
+    """An sd-scripts model with its LoRA in train_network.py's order: the base model loaded (cast,
+    block swap enabled), the network applied, the model placed; accelerated through the
+    launcher's own code path (compile_accel.integrations.sd_scripts.apply)."""
     from compile_accel.integrations import sd_scripts as accel_sd_scripts
 
-    root = os.environ.get("SD_SCRIPTS_DIR", str(Path(__file__).resolve().parent.parent / ".sd-scripts"))
-    sys.path.insert(0, root)
+    swap = options.blocks_to_swap
+    model = _sd_scripts_base(spec.make, device, options)
+    network = _sd_scripts_lora(model, spec, lora_rank, device)
+    model._bench_network = [network]  # kohya keeps the network outside the model
+    _place(model, device, swap)
+
+    def enable_checkpointing() -> None:
+        model.enable_gradient_checkpointing()
+        # As the trainers do under --gradient_checkpointing (the SDXL U-Net checkpoints reentrantly,
+        # which gives LoRA no gradient unless an input requires grad).
+        for tensor in (spec.latents, *spec.conditions):
+            tensor.requires_grad_(True)
+
+    notes = (", fp8 base" if options.fp8_base else "") + (f", {swap} blocks swapped" if swap else "")
+    return BenchModel(
+        f"{spec.description} r{lora_rank}{notes}",
+        model,
+        list(network.parameters()),
+        spec.call,
+        torch.randn_like(spec.latents),
+        enable_checkpointing,
+        accel_sd_scripts.apply,
+        reset_block_swap=model.prepare_block_swap_before_forward if swap else _nothing,
+    )
+
+
+def sdscripts_lumina2(
+    device: str, lora_rank: int, batch: int | None, res: int | None, options: SdScriptsOptions = SdScriptsOptions()
+) -> BenchModel:
+    """kohya sd-scripts' NextDiT at full size (NextDiT_2B_GQA_patch2_Adaln_Refiner), random bf16
+    weights, sd-scripts' own LoRA (networks/lora_lumina.py, fp32 weights, which need the runner's
+    bf16 autocast, as in its trainer), 256 caption tokens."""
+    _sd_scripts_path()
     from library import lumina_models
-    from networks import lora_lumina
 
     batch, res = batch or 2, res or 1024
-    with torch.device(device):
-        model = lumina_models.NextDiT_2B_GQA_patch2_Adaln_Refiner().to(torch.bfloat16).requires_grad_(False)
-    network = lora_lumina.create_network(1.0, lora_rank, lora_rank, None, [nn.Module()], model)
-    network.apply_to([], model, apply_text_encoder=False, apply_unet=True)
-    network.to(device).requires_grad_(True)
-    model._bench_network = [network]  # kohya keeps the network outside the model
     x = torch.randn(batch, 16, res // 8, res // 8, device=device, dtype=torch.bfloat16)
     t = torch.rand(batch, device=device)
     captions = torch.randn(batch, 256, 2304, device=device, dtype=torch.bfloat16)
     mask = torch.ones(batch, 256, device=device, dtype=torch.bool)
-    return BenchModel(
-        f"sd-scripts NextDiT (Lumina 2) full size, batch {batch}, {res}x{res}, lora_lumina r{lora_rank}",
-        model,
-        list(network.parameters()),
+    spec = SdScriptsModel(
+        f"sd-scripts NextDiT (Lumina 2) full size, batch {batch}, {res}x{res}, lora_lumina",
+        lumina_models.NextDiT_2B_GQA_patch2_Adaln_Refiner,
+        "lora_lumina",
+        1,
         lambda module: module(x, t, captions, mask),
-        torch.randn_like(x),
-        model.enable_gradient_checkpointing,
-        accel_sd_scripts.apply,
+        x,
+        [captions],
     )
+    return _sd_scripts_bench(spec, device, lora_rank, options)
 
 
-MODELS: dict[str, Callable[[str, int, int | None, int | None], BenchModel]] = {
+def sdscripts_flux(
+    device: str, lora_rank: int, batch: int | None, res: int | None, options: SdScriptsOptions = SdScriptsOptions()
+) -> BenchModel:
+    """kohya sd-scripts' Flux (library/flux_models.py) at Flux-dev size (configs["dev"], guidance
+    embedding), random weights, its own LoRA (networks/lora_flux.py), 512 T5 tokens, called as
+    flux_train_network.py calls it: packed latents, flux_utils.prepare_img_ids, timesteps / 1000,
+    guidance 3.5 (its --guidance_scale default), no T5 attention mask."""
+    _sd_scripts_path()
+    from library import flux_models, flux_utils
+
+    batch, res = batch or 1, res or 1024
+    params = dataclasses.replace(flux_models.configs["dev"].params, **FLUX_CONFIG)
+    side = res // 16  # 8x VAE, then 2x2 patches packed into the channels
+    img = torch.randn(batch, side * side, params.in_channels, device=device, dtype=torch.bfloat16)
+    img_ids = flux_utils.prepare_img_ids(batch, side, side).to(device)
+    txt = torch.randn(batch, 512, params.context_in_dim, device=device, dtype=torch.bfloat16)
+    txt_ids = torch.zeros(batch, 512, 3, device=device)
+    pooled = torch.randn(batch, params.vec_in_dim, device=device, dtype=torch.bfloat16)
+    t = torch.rand(batch, device=device)
+    guidance = torch.full((batch,), 3.5, device=device)
+
+    def call(module: nn.Module) -> torch.Tensor:
+        return module(img=img, img_ids=img_ids, txt=txt, txt_ids=txt_ids, timesteps=t, y=pooled, guidance=guidance)
+
+    spec = SdScriptsModel(
+        f"sd-scripts Flux ({params.depth}+{params.depth_single_blocks} blocks, hidden {params.hidden_size}), "
+        f"batch {batch}, {res}x{res}, lora_flux",
+        lambda: flux_models.Flux(params),
+        "lora_flux",
+        2,
+        call,
+        img,
+        [img_ids, txt, txt_ids, pooled, guidance],
+    )
+    return _sd_scripts_bench(spec, device, lora_rank, options)
+
+
+def sdscripts_sdxl(
+    device: str, lora_rank: int, batch: int | None, res: int | None, options: SdScriptsOptions = SdScriptsOptions()
+) -> BenchModel:
+    """kohya sd-scripts' SDXL U-Net (library/sdxl_original_unet.py) at full size, random weights,
+    SDPA attention (set_use_sdpa(True), what sdxl_train_network.py does with --sdpa), LoRA from
+    networks/lora.py on the U-Net alone, called as its call_unet does: latents, integer timesteps,
+    77 tokens of 2048 (CLIP-L and bigG concatenated), the 2816-wide vector (pooled + size embeddings)."""
+    _sd_scripts_path()
+    from library import sdxl_original_unet as unet
+
+    batch, res = batch or 4, res or 1024
+    x = torch.randn(batch, unet.IN_CHANNELS, res // 8, res // 8, device=device, dtype=torch.bfloat16)
+    t = torch.randint(0, 1000, (batch,), device=device)
+    context = torch.randn(batch, 77, unet.CONTEXT_DIM, device=device, dtype=torch.bfloat16)
+    vector = torch.randn(batch, unet.ADM_IN_CHANNELS, device=device, dtype=torch.bfloat16)
+
+    def make() -> nn.Module:
+        model = unet.SdxlUNet2DConditionModel()
+        model.set_use_sdpa(True)
+        return model
+
+    spec = SdScriptsModel(
+        f"sd-scripts SDXL U-Net (model channels {unet.MODEL_CHANNELS}), batch {batch}, {res}x{res}, lora",
+        make,
+        "lora",
+        2,
+        lambda module: module(x, t, context, vector),
+        x,
+        [context, vector],
+    )
+    return _sd_scripts_bench(spec, device, lora_rank, options)
+
+
+def sdscripts_sd3(
+    device: str, lora_rank: int, batch: int | None, res: int | None, options: SdScriptsOptions = SdScriptsOptions()
+) -> BenchModel:
+    """kohya sd-scripts' MMDiT (library/sd3_models.py) as sd3_utils.load_mmdit builds SD3 medium
+    (create_sd3_mmdit with SD3_MEDIUM: depth 24, hidden 1536, 192x192 position embedding), random
+    weights, its own LoRA (networks/lora_sd3.py), called as sd3_train_network.py calls it: latents,
+    timesteps in [0, 1000), 333 context tokens (77 CLIP-L/G + 256 T5, its --t5xxl_max_token_length
+    default), the pooled 2048-wide vector."""
+    _sd_scripts_path()
+    from library import sd3_models
+
+    batch, res = batch or 1, res or 1024
+    params = sd3_models.SD3Params(**{**SD3_MEDIUM, **SD3_CONFIG})
+    x = torch.randn(batch, 16, res // 8, res // 8, device=device, dtype=torch.bfloat16)
+    t = torch.rand(batch, device=device) * 1000
+    context = torch.randn(batch, 333, params.context_embedder_in_features, device=device, dtype=torch.bfloat16)
+    pooled = torch.randn(batch, params.adm_in_channels, device=device, dtype=torch.bfloat16)
+
+    def make() -> nn.Module:
+        model = sd3_models.create_sd3_mmdit(params)
+        # The position embedding is a buffer the checkpoint fills (torch.empty until then): the
+        # fixed sin-cos table of the model's size.
+        table = sd3_models.get_2d_sincos_pos_embed(model.hidden_size, params.pos_embed_max_size)
+        model.pos_embed.copy_(torch.from_numpy(table))
+        return model
+
+    spec = SdScriptsModel(
+        f"sd-scripts MMDiT (SD3 {params.model_type}, depth {params.depth}), batch {batch}, {res}x{res}, lora_sd3",
+        make,
+        "lora_sd3",
+        3,
+        lambda module: module(x, t, context=context, y=pooled),
+        x,
+        [context, pooled],
+    )
+    return _sd_scripts_bench(spec, device, lora_rank, options)
+
+
+MODELS: dict[str, Callable[..., BenchModel]] = {  # (device, lora_rank, batch, res) -> BenchModel
     "tiny": tiny,
     "lumina2": lumina2,
     "flux": flux,
     "sd3": sd3,
     "wan": wan,
     "sdscripts-lumina2": sdscripts_lumina2,
+    "sdscripts-flux": sdscripts_flux,
+    "sdscripts-sdxl": sdscripts_sdxl,
+    "sdscripts-sd3": sdscripts_sd3,
 }
+# The models --fp8-base and --blocks-to-swap apply to (their builders take SdScriptsOptions).
+SD_SCRIPTS_MODELS = sorted(name for name in MODELS if name.startswith("sdscripts-"))
+BLOCK_SWAP_MODELS = ["sdscripts-flux", "sdscripts-lumina2", "sdscripts-sd3"]  # the SDXL U-Net has no enable_block_swap

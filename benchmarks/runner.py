@@ -28,6 +28,11 @@ backward, torch.utils.flop_counter) and times a bf16 matmul, for the model FLOP 
 step FLOPs / step time / matmul rate. With `--profile-steps N` it profiles N more steps and
 adds where the GPU time goes: kernel time per step by kind (matmul, attention, inductor's
 Triton kernels, copies, other) against the median step.
+
+For the sd-scripts models, `--fp8-base` and `--blocks-to-swap N` are the trainers' own memory
+options, applied their way (benchmarks/models.py). `--vram-cap-gib G` lets each child allocate
+at most G GiB per GPU, so a large GPU shows what fits a smaller card; a mode that runs out of
+memory (under the cap or not) is a row marked OOM with the error's first line.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import os
 import platform
 import statistics
@@ -57,7 +63,7 @@ from compile_accel.distributed import apply_ddp
 from compile_accel.memory import SavedActivationMeter
 from compile_accel.placement import split_blocks
 
-from .models import MODELS, BenchModel
+from .models import MODELS, BenchModel, SdScriptsOptions
 
 logger = logging.getLogger("compile_accel.bench")
 
@@ -163,6 +169,9 @@ class BenchSettings:
     vram_limit_gib: float | None = None
     compile_cache: str | None = None
     profile_steps: int | None = None
+    fp8_base: bool = False
+    blocks_to_swap: int | None = None
+    vram_cap_gib: float | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, device: str) -> BenchSettings:
@@ -173,9 +182,18 @@ class BenchSettings:
     def flags(self) -> list[str]:
         flags = []
         for name, value in asdict(self).items():
-            if value is not None:
-                flags += [f"--{name.replace('_', '-')}", str(value)]
+            flag = f"--{name.replace('_', '-')}"
+            if value is True:
+                flags.append(flag)
+            elif value is not None and value is not False:
+                flags += [flag, str(value)]
         return flags
+
+    def model_options(self) -> tuple[SdScriptsOptions, ...]:
+        """The sd-scripts memory options, as the sd-scripts models' builders take them; none when
+        not set (the other builders take none)."""
+        options = SdScriptsOptions(self.fp8_base, self.blocks_to_swap)
+        return (options,) if options != SdScriptsOptions() else ()
 
 
 def _whole_number(minimum: int, multiple_of: int = 1) -> Callable[[str], int]:
@@ -190,14 +208,26 @@ def _whole_number(minimum: int, multiple_of: int = 1) -> Callable[[str], int]:
     return parse
 
 
+def _gib(text: str) -> float:
+    """argparse type: a finite number of GiB above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number of GiB > 0, got {text!r}")
+    return value
+
+
 def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         choices=sorted(MODELS),
         default="tiny",
         help="tiny: the embedded DiT; lumina2, flux, sd3, wan: diffusers Lumina 2 / Flux-dev / SD3-medium / Wan 2.1 "
-        "14B at full size (random weights, needs diffusers and peft); sdscripts-lumina2: sd-scripts' own NextDiT "
-        "(needs SD_SCRIPTS_DIR)",
+        "14B at full size (random weights, needs diffusers and peft); sdscripts-lumina2, sdscripts-flux, "
+        "sdscripts-sdxl, sdscripts-sd3: sd-scripts' own NextDiT / Flux-dev / SDXL U-Net / SD3-medium MMDiT at full "
+        "size with its own LoRA network (random weights, needs SD_SCRIPTS_DIR, default .sd-scripts/)",
     )
     parser.add_argument("--steps", type=_whole_number(1), default=8, help="timed steps per mode (median reported)")
     parser.add_argument(
@@ -225,6 +255,27 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="on a GPU, profile N more steps and report the kernel time per step by kind (matmul, attention, "
         "Triton, copies, other) against the median step",
+    )
+    parser.add_argument(
+        "--fp8-base",
+        action="store_true",
+        help="sd-scripts models only: the frozen base model stored as float8_e4m3fn and computed in bf16 under "
+        "autocast, as the trainers' --fp8_base does (the LoRA network stays fp32)",
+    )
+    parser.add_argument(
+        "--blocks-to-swap",
+        type=_whole_number(1),
+        metavar="N",
+        help="sd-scripts Flux, SD3 and Lumina 2 only: keep N blocks' weights on the CPU and swap them in during "
+        "forward and backward with sd-scripts' own ModelOffloader, as the trainers' --blocks_to_swap does; "
+        "no +offload, +ddp or +split mode with it",
+    )
+    parser.add_argument(
+        "--vram-cap-gib",
+        type=_gib,
+        metavar="G",
+        help="GPU only: each mode may allocate at most G GiB per GPU (torch.cuda.set_per_process_memory_fraction), "
+        "so a large GPU shows what fits a G GiB card; a mode that runs out of memory is a row marked OOM",
     )
 
 
@@ -314,6 +365,7 @@ def step_flops(bench: BenchModel) -> int | None:
     finally:
         for p in bench.lora_params:
             p.grad = None
+        bench.reset_block_swap()  # an out-of-memory forward leaves swapped blocks half moved
         torch.cuda.empty_cache()
     return counter.get_total_flops()
 
@@ -354,6 +406,13 @@ def _wrap_ddp(bench: BenchModel, device: str) -> None:
     bench.wrapper = apply_ddp(bench.model, device_ids=device_ids)
 
 
+def cap_gpu_memory(gib: float, gpus: list[torch.device]) -> None:
+    """Let this process allocate at most `gib` GiB on each of `gpus`, as on cards of that size."""
+    for gpu in gpus:
+        total = torch.cuda.get_device_properties(gpu).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), gpu)
+
+
 def _peak_memory(devices: list[torch.device]) -> tuple[int, int]:
     """(max allocated, max reserved) of the busiest of `devices` since the last reset."""
     return (
@@ -365,8 +424,13 @@ def _peak_memory(devices: list[torch.device]) -> tuple[int, int]:
 def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
     """Build the model with LoRA, apply the mode, and time LoRA training steps."""
     device = settings.device
+    # The GPUs this process's step runs on: the split's, or the current one.
+    current = torch.cuda.current_device() if device == "cuda" else 0
+    gpus = [torch.device("cuda", current + i) for i in range(spec.split)] if device == "cuda" else []
+    if settings.vram_cap_gib is not None:
+        cap_gpu_memory(settings.vram_cap_gib, gpus)  # before the model is built: building counts too
     torch.manual_seed(0)
-    bench = MODELS[settings.model](device, settings.lora_rank, settings.batch, settings.res)
+    bench = MODELS[settings.model](device, settings.lora_rank, settings.batch, settings.res, *settings.model_options())
     model = bench.model
     model.train()
     # FLOPs are counted on a step without checkpointing, which an offloaded model has no room for.
@@ -384,9 +448,6 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
         model.compile()
     if spec.ddp > 1:
         _wrap_ddp(bench, device)
-    # The GPUs this process's step runs on: the split's, or the current one.
-    current = torch.cuda.current_device() if device == "cuda" else 0
-    gpus = [torch.device("cuda", current + i) for i in range(spec.split)] if device == "cuda" else []
     if spec.split > 1:
         split_blocks(model, gpus if device == "cuda" else ["cpu"] * spec.split)
     conductor = None
@@ -487,6 +548,30 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
     )
 
 
+def _out_of_memory(error: BaseException | None) -> BaseException | None:
+    """The torch.OutOfMemoryError behind `error` (itself, or one it was raised from or during), if any."""
+    while error is not None and not isinstance(error, torch.OutOfMemoryError):
+        error = error.__cause__ or error.__context__
+    return error
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def out_of_memory_result(spec: ModeSpec, settings: BenchSettings, error: BaseException) -> dict[str, Any]:
+    """The row of a mode that ran out of memory: what ran, and the error's first line."""
+    return {
+        "mode": spec.name,
+        "model": settings.model,
+        "device": settings.device,
+        "oom": _first_line(error),
+        "processes": spec.ddp,
+        "devices": spec.ddp * spec.split,
+    }
+
+
 def environment() -> dict[str, Any]:
     env = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine()}
     if torch.cuda.is_available():
@@ -532,16 +617,13 @@ def run_ab(
         with tempfile.TemporaryDirectory(prefix="compile_accel_bench_") as cache:
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache} if warm else os.environ.copy()
             result = _run_child(mode, settings, env)
-            if warm:
+            if warm and "oom" not in result:
                 again = _run_child(mode, dataclasses.replace(settings, steps=1, warmup=0), env)
                 result["warm_first_step_s"] = again["first_step_s"]
                 result["warm_fxgraph_cache_hits"] = again["stats"]["fxgraph_cache_hits"]
         results.append(result)
-        warm_note = f", warm first step {result['warm_first_step_s']:.1f} s" if warm else ""
-        progress(
-            f"[{i}/{len(modes)}] {mode}: {result['step_s_median'] * 1e3:.1f} ms/step "
-            f"(first step {result['first_step_s']:.1f} s{warm_note}; {time.perf_counter() - start:.0f} s in all)"
-        )
+        seconds = time.perf_counter() - start
+        progress(f"[{i}/{len(modes)}] {mode}: {_progress_note(result, warm)}; {seconds:.0f} s in all")
     return {
         "environment": environment(),
         "command": " ".join(sys.argv),
@@ -550,20 +632,38 @@ def run_ab(
     }
 
 
+def _progress_note(result: dict[str, Any], warm: bool) -> str:
+    if "oom" in result:
+        return f"OOM ({result['oom']})"
+    warm_note = f", warm first step {result['warm_first_step_s']:.1f} s" if warm else ""
+    return f"{result['step_s_median'] * 1e3:.1f} ms/step (first step {result['first_step_s']:.1f} s{warm_note})"
+
+
 def _format_bytes(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.2f} MiB"
 
 
+def measured(report: dict[str, Any]) -> dict[str, Any]:
+    """The report without the modes that ran out of memory."""
+    return {**report, "results": [r for r in report["results"] if "oom" not in r]}
+
+
 def markdown_table(report: dict[str, Any], baseline: str = "eager+ckpt") -> str:
-    results = report["results"]
-    base = next((r for r in results if r["mode"] == baseline), None)
-    kind = results[0]["peak_kind"] if results else ""
+    """The main table (a mode that ran out of memory is a row marked OOM), the note on a memory
+    cap, then the offload, parallel and GPU-time tables of the modes that ran."""
+    ran = measured(report)
+    base = next((r for r in ran["results"] if r["mode"] == baseline), None)
+    kind = ran["results"][0]["peak_kind"] if ran["results"] else ""
     lines = [
         f"| mode | median s/step | min s/step | vs {baseline} | peak ({kind}) | reserved | first step s "
         "| warm first step s | MFU | graphs | recompiles | graph breaks | fallbacks |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in results:
+    for r in report["results"]:
+        if "oom" in r:
+            message = r["oom"].replace("|", "\\|")  # a bar would end the cell
+            lines.append(f"| {r['mode']} | OOM: {message} |" + " - |" * 11)
+            continue
         speedup = f"{base['step_s_median'] / r['step_s_median']:.2f}x" if base else "-"
         s = r["stats"]
         lines.append(
@@ -573,8 +673,20 @@ def markdown_table(report: dict[str, Any], baseline: str = "eager+ckpt") -> str:
             f"| {'-' if r.get('mfu') is None else format(r['mfu'], '.1%')} | {s.get('unique_graphs', 0)} "
             f"| {s.get('recompiles', 0)} | {s.get('graph_breaks', 0)} | {len(s.get('fallbacks', []))} |"
         )
-    extra = [table for table in (offload_table(report), parallel_table(report), gpu_time_table(report)) if table]
-    return "\n\n".join(["\n".join(lines), *extra])
+    extra = [cap_note(report), offload_table(ran), parallel_table(ran), gpu_time_table(ran)]
+    return "\n\n".join(["\n".join(lines), *(table for table in extra if table)])
+
+
+def cap_note(report: dict[str, Any]) -> str:
+    """What a run under --vram-cap-gib measured: a smaller card's memory at this GPU's speed."""
+    cap = report.get("settings", {}).get("vram_cap_gib")
+    if cap is None:
+        return ""
+    gpu = report.get("environment", {}).get("device_name", "the GPU it ran on")
+    return (
+        f"Under --vram-cap-gib {cap:g}: each process could allocate at most {cap:g} GiB per GPU, so the memory "
+        f"columns and OOM rows are what a {cap:g} GiB card would see, while the speeds are those of {gpu}."
+    )
 
 
 def offload_table(report: dict[str, Any]) -> str:
@@ -660,12 +772,17 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     try:
-        result = run_mode(spec, settings)
+        result = asdict(run_mode(spec, settings))
+    except Exception as error:  # an OOM anywhere (building, compiling, a step) is a row; anything else fails the A/B
+        oom = _out_of_memory(error)
+        if oom is None:
+            raise
+        result = out_of_memory_result(spec, settings, oom)
     finally:
         if world > 1:
             dist.destroy_process_group()
     if _rank() == 0:
-        print(json.dumps(asdict(result)), flush=True)
+        print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

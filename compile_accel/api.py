@@ -15,7 +15,7 @@ from .auto_budget import AutoBudget
 from .blocks import BlockList, resolve_block_lists
 from .config import CompileConfig
 from .regions import CompiledFunction, Region, restore_forward
-from .selective import is_excluded, region_modules
+from .selective import is_excluded, region_specs
 from .stats import Stats, warn
 
 _MARK = "_compile_accel"
@@ -153,19 +153,25 @@ def apply(
     stats = Stats()
     shared: dict[Callable, CompiledFunction] = {}
     regions = []
-    for name, module in region_modules(config.mode, block_lists, config.exclude):
-        fn = getattr(module.forward, "__func__", module.forward)
+    for spec in region_specs(config.mode, block_lists, config.exclude):
+        method = getattr(spec.module, spec.method)
+        fn = getattr(method, "__func__", method)
         if fn not in shared:
             shared[fn] = CompiledFunction(fn, config, stats)
-        regions.append(Region(name, module, shared[fn], config))
+        regions.append(Region(spec, shared[fn], config))
+    if config.mode != "off" and not regions:
+        warn(
+            f"mode={config.mode!r} found nothing to compile in {[bl.path for bl in block_lists]}: their compute is "
+            "excluded or lone built-in layers (a Linear, a norm), which a graph would not make faster; the model runs eager"
+        )
     eager_patches = [
         _EagerPatch(sub, sub.forward)
         for region in regions
-        for sub_name, sub in region.module.named_modules(prefix=region.name)
+        for sub_name, sub in region.module.named_modules(prefix=region.spec.name)
         if sub is not region.module and is_excluded(sub_name, config.exclude)
     ]
     switches, uncheckpointed = (
-        checkpointing.find_checkpoint_switches(model, block_lists, {r.name for r in regions})
+        checkpointing.find_checkpoint_switches(model, block_lists, {r.spec.name for r in regions})
         if config.mode == "blocks" and config.activation_memory_budget is not None
         else ([], [])
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 
 import torch.nn as nn
 
@@ -44,6 +45,23 @@ def find_block_lists(model: nn.Module) -> list[BlockList]:
         if named:
             return named
     return lists
+
+
+# diffusers-style U-Nets (diffusers' UNet2DConditionModel, sd-scripts' SD1/SD2 copy of it): the
+# ResBlocks, transformers and resamplers of each down, mid and up block, as globs for
+# match_block_lists.
+UNET_BLOCK_LISTS = ("*.resnets", "*.attentions", "*.downsamplers", "*.upsamplers")
+
+
+def match_block_lists(model: nn.Module, patterns: Sequence[str]) -> list[str]:
+    """Paths of the ModuleLists whose names match a glob pattern, outermost only (a `*` also
+    matches dots, so `input_blocks.*` would match lists inside those blocks too), in model order."""
+    matched = [
+        BlockList(name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList) and any(fnmatchcase(name, p) for p in patterns)
+    ]
+    return [bl.path for bl in _outermost(matched)]
 
 
 def resolve_block_lists(model: nn.Module, spec: Sequence[str | nn.ModuleList] | None) -> list[BlockList]:

@@ -41,8 +41,8 @@ def _ancestors(model: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
 def find_checkpoint_switches(
     model: nn.Module, block_lists: list[BlockList], compiled: set[str]
 ) -> tuple[list[CheckpointSwitch], list[str]]:
-    """The `gradient_checkpointing` flags that are True on a compiled block (named in `compiled`)
-    or on a module above its block list; and the blocks left uncompiled that one of those
+    """The `gradient_checkpointing` flags that are True on a compiled block (named in `compiled`),
+    on a module inside it, or on a module above its block list; and the blocks left uncompiled that one of those
     flags above them governs too, which lose their checkpointing with it."""
     switches: dict[int, CheckpointSwitch] = {}
     governed: dict[int, list[str]] = {}  # id(module above block lists) -> their blocks' names
@@ -53,9 +53,14 @@ def find_checkpoint_switches(
                 governed.setdefault(id(module), []).extend(n for n, _ in blocks)
                 if any(n in compiled for n, _ in blocks):
                     switches.setdefault(id(module), CheckpointSwitch(name, module))
-        for name, module in blocks:
-            if name in compiled and getattr(module, "gradient_checkpointing", None) is True:
-                switches.setdefault(id(module), CheckpointSwitch(name, module))
+        for name, block in blocks:
+            if name not in compiled:
+                continue
+            # The block's own flag, or one inside it (a U-Net's Transformer2DModel checkpoints
+            # each of its transformer blocks).
+            for sub_name, module in block.named_modules(prefix=name):
+                if getattr(module, "gradient_checkpointing", None) is True:
+                    switches.setdefault(id(module), CheckpointSwitch(sub_name, module))
     uncompiled = [n for key in switches if key in governed for n in governed[key] if n not in compiled]
     return list(switches.values()), list(dict.fromkeys(uncompiled))
 

@@ -9,6 +9,10 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .benchmarks.runner import ModeSpec
 
 
 def _check_compile(device: str) -> str | None:
@@ -87,10 +91,52 @@ def _refuse(message: str) -> int:
     return 2
 
 
+def _sd_scripts_option_refusal(args: argparse.Namespace, specs: list[ModeSpec]) -> str | None:
+    """Why --fp8-base or --blocks-to-swap cannot run with this model and these modes, or None."""
+    from .benchmarks.models import BLOCK_SWAP_MODELS, SD_SCRIPTS_MODELS
+
+    if args.fp8_base and args.model not in SD_SCRIPTS_MODELS:
+        return f"--fp8-base is sd-scripts' --fp8_base, for {', '.join(SD_SCRIPTS_MODELS)}; not for {args.model}"
+    if args.blocks_to_swap is None:
+        return None
+    if args.model not in BLOCK_SWAP_MODELS:
+        return f"--blocks-to-swap is sd-scripts' block swap, in {', '.join(BLOCK_SWAP_MODELS)}; not in {args.model}"
+    moving = [s.name for s in specs if s.offload is not None or s.ddp > 1 or s.split > 1]
+    if moving:
+        return f"--blocks-to-swap moves the blocks itself; {moving[0]} moves them too (+offload, +ddp, +split)"
+    return None
+
+
+def _vram_cap_refusal(args: argparse.Namespace, specs: list[ModeSpec], device: str) -> str | None:
+    """Why --vram-cap-gib cannot run here, or None."""
+    import torch
+
+    if args.vram_cap_gib is None:
+        return None
+    if device == "cpu":
+        return "--vram-cap-gib caps GPU memory, and this run is on the CPU"
+    total = torch.cuda.get_device_properties(0).total_memory / 2**30
+    if args.vram_cap_gib > total:
+        return f"--vram-cap-gib {args.vram_cap_gib:g} is more than this GPU's {total:.1f} GiB"
+    auto = [s.name for s in specs if s.config.activation_memory_budget == "auto"]
+    if auto and args.vram_limit_gib is None:
+        return f"{auto[0]} under --vram-cap-gib needs --vram-limit-gib (its default is the free memory, not the cap)"
+    return None
+
+
+def _plot(ran: dict, path: Path) -> str:
+    """Plot the modes that ran; how the "wrote ..." line ends."""
+    from .benchmarks import plot
+
+    if not ran["results"]:
+        return " (no plot: every mode ran out of memory)"
+    return f" and {path}" if plot.plot(ran, path) else " (no plot: matplotlib is not installed)"
+
+
 def bench(args: argparse.Namespace) -> int:
     import torch
 
-    from .benchmarks import plot, runner
+    from .benchmarks import runner
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     modes = args.modes.split(",") if args.modes else runner.DEFAULT_MODES
@@ -104,13 +150,17 @@ def bench(args: argparse.Namespace) -> int:
     auto = [s.name for s in specs if s.config.activation_memory_budget == "auto"]
     if auto and device == "cpu" and args.vram_limit_gib is None:
         return _refuse(f"{auto[0]} on the CPU needs --vram-limit-gib (the limit for the bytes saved for backward)")
+    refusal = _sd_scripts_option_refusal(args, specs) or _vram_cap_refusal(args, specs, device)
+    if refusal:
+        return _refuse(refusal)
     settings = runner.BenchSettings.from_args(args, device)
     report = runner.run_ab(
         modes, settings, progress=lambda line: print(line, file=sys.stderr, flush=True), warm=args.warm
     )
-    env, first = report["environment"], report["results"][0]
+    env, ran = report["environment"], runner.measured(report)
+    description = ran["results"][0]["description"] if ran["results"] else f"{args.model} (every mode ran out of memory)"
     print(
-        f"\n{first['description']}; {device} ({env['device_name']}), torch {env['torch']}; "
+        f"\n{description}; {device} ({env['device_name']}), torch {env['torch']}; "
         f"median of {args.steps} steps after the first step and {args.warmup} warm-up steps\n"
     )
     print(runner.markdown_table(report))
@@ -119,11 +169,7 @@ def bench(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "bench.json").write_text(json.dumps(report, indent=2))
         (out / "bench.md").write_text(runner.markdown_table(report) + "\n")
-        plotted = plot.plot(report, out / "bench.png")
-        print(
-            f"\nwrote {out / 'bench.json'}, {out / 'bench.md'}"
-            + (f" and {out / 'bench.png'}" if plotted else " (no plot: matplotlib is not installed)")
-        )
+        print(f"\nwrote {out / 'bench.json'}, {out / 'bench.md'}{_plot(ran, out / 'bench.png')}")
     return 0
 
 

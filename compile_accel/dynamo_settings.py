@@ -59,4 +59,12 @@ def ensure_thread_settings(recompile_limit: int) -> None:
         # (torch < 2.7 calls it cache_size_limit.)
         name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
         setattr(config, name, max(getattr(config, name), recompile_limit))
+    # A region under a non-reentrant checkpoint runs twice, forward and recompute, and both runs
+    # must pick the same graph (the checkpoint compares the tensors each saves). Dynamo checks a
+    # function's graphs most-recently-used first, so once a class has a static and a dynamic
+    # graph (Lumina 2's refiners and layers share one body at other token counts), a block's
+    # recompute can take the other one and the checkpoint raises. Checked in the order they were
+    # compiled, the first graph that fits is the same both times. Process-wide, not per thread.
+    if hasattr(torch._C._dynamo.eval_frame, "_set_lru_cache"):
+        torch._C._dynamo.eval_frame._set_lru_cache(False)
     _local.limit = recompile_limit

@@ -25,6 +25,7 @@ from .budget import RegionBackend
 from .checkpointing import under_saved_tensor_checkpoint
 from .config import CompileConfig
 from .dynamo_settings import COMPILE_TAKES_RECOMPILE_LIMIT, ensure_thread_settings
+from .selective import RegionSpec
 from .stats import RECOMPILE_LIMIT_WATCHER, Stats, graph_break_total, warn
 
 
@@ -113,12 +114,16 @@ class CompiledFunction:
         )
 
 
-def restore_forward(module: nn.Module, original: Callable) -> None:
-    """Undo an instance-level `module.forward` replacement, keeping any the user had before."""
-    if inspect.ismethod(original) and original.__self__ is module and original.__func__ is type(module).forward:
-        module.__dict__.pop("forward", None)
+def restore_forward(module: nn.Module, original: Callable, method: str = "forward") -> None:
+    """Undo an instance-level replacement of `module.<method>`, keeping any the user had before."""
+    if (
+        inspect.ismethod(original)
+        and original.__self__ is module
+        and original.__func__ is getattr(type(module), method, None)
+    ):
+        module.__dict__.pop(method, None)
     else:
-        module.forward = original
+        setattr(module, method, original)
 
 
 def _failure_reason(error: BaseException) -> str:
@@ -247,13 +252,16 @@ def _watch_module_trees() -> None:
 
 
 class Region:
-    """One module whose forward is dispatched to a shared CompiledFunction."""
+    """One module whose forward (or checkpointed body method) is dispatched to a shared
+    CompiledFunction."""
 
-    def __init__(self, name: str, module: nn.Module, shared: CompiledFunction, config: CompileConfig) -> None:
-        self.name = name
-        self.module = module
+    def __init__(self, spec: RegionSpec, shared: CompiledFunction, config: CompileConfig) -> None:
+        self.spec = spec
+        self.name = spec.label
+        self.module = spec.module
+        self.method = spec.method
         self.shared = shared
-        self.eager = module.forward
+        self.eager = getattr(spec.module, spec.method)
         self.owner = _split_method(self.eager)[1]
         self.recompile_limit = config.recompile_limit
         self.check_outer_checkpoint = config.activation_memory_budget is not None
@@ -262,17 +270,17 @@ class Region:
         self._tensor_dicts_generation = -1
         _watch_module_trees()
         self.__wrapped__ = self.eager  # inspect.signature(module.forward) still shows the real one
-        shared.regions.append(name)
-        shared.region_kinds[name] = type(module)
+        shared.regions.append(self.name)
+        shared.region_kinds[self.name] = type(self.module)
 
     def install(self) -> None:
-        self.module.forward = self
+        setattr(self.module, self.method, self)
 
     def uninstall(self) -> None:
-        if self.module.__dict__.get("forward") is not self:
-            warn(f"{self.name}.forward was replaced after apply(); leaving the replacement in place")
+        if self.module.__dict__.get(self.method) is not self:
+            warn(f"{self.spec.name}.{self.method} was replaced after apply(); leaving the replacement in place")
             return
-        restore_forward(self.module, self.eager)
+        restore_forward(self.module, self.eager, self.method)
 
     def _resident(self, inputs: list[torch.Tensor]) -> bool:
         if not inputs:

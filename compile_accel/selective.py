@@ -1,7 +1,26 @@
-"""Which modules become compiled regions: whole blocks, or the compute children of each block."""
+"""Which modules become compiled regions, and which of their methods is compiled.
+
+mode "blocks": every block's forward.
+
+mode "selective": what runs inside each block's gradient checkpoint, in the largest pieces
+that hold no checkpoint call themselves, so the checkpoint wrapper stays eager:
+- a block whose forward checkpoints a method of its own (kohya sd-scripts:
+  `checkpoint(self._forward, ...)`, `checkpoint(create_custom_forward(self.forward_body), ...)`)
+  gets that method compiled: the block's whole body is one graph.
+- any other block gets its compute children compiled, found by the same rules: containers are
+  looked into, and so is a child that the block never calls but uses through its children
+  (sd-scripts' Flux double block calls `self.img_attn.qkv(...)`, never `self.img_attn(...)`).
+  Lone built-in layers (a Linear, a norm, an activation with torch's own forward) stay eager:
+  their graph would be the one kernel eager runs, plus a dispatch on every call.
+"""
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
+import textwrap
+from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
 import torch.nn as nn
@@ -12,32 +31,130 @@ from .blocks import BlockList
 _TRIVIAL = (nn.Identity, nn.Dropout)
 
 
+@dataclass(frozen=True)
+class RegionSpec:
+    """A module whose `method` (forward, or the body its checkpoint runs) becomes a region."""
+
+    name: str  # the module's name in model.named_modules()
+    module: nn.Module
+    method: str = "forward"
+
+    @property
+    def label(self) -> str:
+        """How stats and warnings name the region."""
+        return self.name if self.method == "forward" else f"{self.name}.{self.method}"
+
+
 def is_excluded(name: str, patterns: list[str]) -> bool:
     return any(fnmatchcase(name, pattern) for pattern in patterns)
 
 
-def compute_children(name: str, block: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The direct children of a block that do its compute (attention, feed-forward, norms,
-    modulation); containers are looked into, dropout and identities skipped. So are children
-    without a forward of their own (sd-scripts' SD3 blocks call methods of such halves, never
-    their forward), whose own children are the regions instead."""
-    children = []
+def _is_lone_builtin_layer(module: nn.Module) -> bool:
+    """A torch.nn layer without children, running torch's own forward (not one a LoRA patched)."""
+    return (
+        type(module).__module__.startswith("torch.nn.")
+        and next(module.children(), None) is None
+        and "forward" not in vars(module)
+    )
+
+
+def _class_functions(cls: type) -> list:
+    """The functions a module class defines itself or inherits from classes below nn.Module."""
+    functions = []
+    for klass in cls.__mro__:
+        if klass in (nn.Module, object) or klass.__module__.startswith("torch."):
+            continue
+        functions.extend(f for f in vars(klass).values() if inspect.isfunction(f))
+    return functions
+
+
+def _parsed(function: object) -> ast.AST | None:
+    try:
+        return ast.parse(textwrap.dedent(inspect.getsource(function)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+
+
+def _self_attribute(node: ast.AST) -> str | None:
+    """'x' for the expression `self.x`."""
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+        return node.attr
+    return None
+
+
+@functools.cache
+def checkpoint_body(cls: type) -> str | None:
+    """The method of `cls` that its forward hands to a `checkpoint(...)` call, directly or
+    through a wrapper call (`checkpoint(create_custom_forward(self.forward_body), ...)`)."""
+    tree = _parsed(cls.forward)
+    if tree is None:
+        return None
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or not node.args:
+            continue
+        callee = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+        if callee != "checkpoint":
+            continue
+        first = node.args[0]
+        candidates = [first, *first.args] if isinstance(first, ast.Call) else [first]
+        for candidate in candidates:
+            name = _self_attribute(candidate)
+            if name is not None and inspect.isfunction(getattr(cls, name, None)):
+                return name
+    return None
+
+
+@functools.cache
+def _attribute_uses(cls: type) -> dict[str, bool]:
+    """For each `self.x` in the class's code: whether it is ever used other than by reaching
+    into it (`self.x(...)`, `self.x` passed on), rather than only as `self.x.y`. None of it
+    when the source cannot be read."""
+    uses: dict[str, bool] = {}
+    for function in _class_functions(cls):
+        tree = _parsed(function)
+        if tree is None:
+            return {}
+        reached_into = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        for node in ast.walk(tree):
+            name = _self_attribute(node)
+            if name is not None and isinstance(node.ctx, ast.Load):  # not `self.x = ...` in __init__
+                uses[name] = uses.get(name, False) or id(node) not in reached_into
+    return uses
+
+
+def _only_reached_into(parent: nn.Module, child_name: str) -> bool:
+    """The parent's code uses `child` only through the child's own attributes, so the child's
+    forward never runs: its children are what to compile."""
+    return _attribute_uses(type(parent)).get(child_name) is False
+
+
+def compute_regions(name: str, block: nn.Module) -> list[RegionSpec]:
+    """The regions of one block in selective mode (see the module docstring)."""
+    body = checkpoint_body(type(block))
+    if body is not None:
+        return [RegionSpec(name, block, body)]
+    regions = []
     for child_name, child in block.named_children():
         qualified = f"{name}.{child_name}"
-        if isinstance(child, (nn.ModuleList, nn.ModuleDict)) or type(child).forward is nn.Module.forward:
-            children.extend(compute_children(qualified, child))
-        elif not isinstance(child, _TRIVIAL):
-            children.append((qualified, child))
-    return children
+        if (
+            isinstance(child, (nn.ModuleList, nn.ModuleDict))
+            or type(child).forward is nn.Module.forward
+            or _only_reached_into(block, child_name)
+            or checkpoint_body(type(child)) is not None
+        ):
+            regions.extend(compute_regions(qualified, child))
+        elif not isinstance(child, _TRIVIAL) and not _is_lone_builtin_layer(child):
+            regions.append(RegionSpec(qualified, child))
+    return regions
 
 
-def region_modules(mode: str, block_lists: list[BlockList], exclude: list[str]) -> list[tuple[str, nn.Module]]:
-    """(name, module) of every region for `mode`, minus the excluded ones."""
+def region_specs(mode: str, block_lists: list[BlockList], exclude: list[str]) -> list[RegionSpec]:
+    """Every region for `mode`, minus the excluded modules."""
     blocks = [nb for bl in block_lists for nb in bl.named_blocks()]
     if mode == "blocks":
-        regions = blocks
+        regions = [RegionSpec(name, block) for name, block in blocks]
     elif mode == "selective":
-        regions = [child for name, block in blocks for child in compute_children(name, block)]
+        regions = [region for name, block in blocks for region in compute_regions(name, block)]
     else:
         regions = []
-    return [(name, module) for name, module in regions if not is_excluded(name, exclude)]
+    return [region for region in regions if not is_excluded(region.name, exclude)]

@@ -25,6 +25,7 @@ import torch.utils._pytree as pytree
 
 from compile_accel import Acceleration, CompileConfig
 from compile_accel.api import apply_prepared
+from compile_accel.blocks import UNET_BLOCK_LISTS, match_block_lists
 from compile_accel.patching import ModuleFunctionPatch
 from compile_accel.regions import restore_forward
 from compile_accel.rotary import real_table, rotate_interleaved
@@ -34,7 +35,7 @@ Undo = Callable[[], None]
 
 @dataclass(frozen=True)
 class Adapter:
-    blocks: tuple[str, ...]
+    blocks: tuple[str, ...]  # glob patterns of the block lists' paths (match_block_lists)
     prepare: Callable[[nn.Module], Undo] | None = None
 
 
@@ -98,6 +99,7 @@ ADAPTERS: dict[str, Adapter] = {
     "FluxTransformer2DModel": Adapter(("transformer_blocks", "single_transformer_blocks")),
     "SD3Transformer2DModel": Adapter(("transformer_blocks",)),
     "WanTransformer3DModel": Adapter(("blocks",)),
+    "UNet2DConditionModel": Adapter(UNET_BLOCK_LISTS),
 }
 
 
@@ -109,4 +111,4 @@ def apply(model: nn.Module, config: CompileConfig | None = None) -> Acceleration
             f"no diffusers adapter for {type(model).__name__} (adapters: {sorted(ADAPTERS)}); "
             "compile_accel.apply(model, config) finds the blocks of other diffusers models"
         )
-    return apply_prepared(model, config, list(adapter.blocks), adapter.prepare)
+    return apply_prepared(model, config, match_block_lists(model, adapter.blocks), adapter.prepare)

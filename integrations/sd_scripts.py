@@ -30,7 +30,6 @@ import sys
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
-from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,7 @@ import torch.nn.functional as F
 
 from compile_accel import Acceleration, CompileConfig
 from compile_accel.api import apply_prepared
+from compile_accel.blocks import UNET_BLOCK_LISTS, match_block_lists
 from compile_accel.dynamo_settings import HAS_BUDGET_KNOB, cpp_compiler
 from compile_accel.patching import ModuleFunctionPatch
 from compile_accel.rotary import real_table, rotate_interleaved
@@ -168,8 +168,9 @@ FAMILIES: dict[str, Family] = {
     "NextDiT": Family(("context_refiner", "noise_refiner", "layers"), _prepare_lumina),
     "Flux": Family(("double_blocks", "single_blocks")),
     "MMDiT": Family(("joint_blocks",)),
-    "SdxlUNet2DConditionModel": Family(("*.transformer_blocks",)),
-    "UNet2DConditionModel": Family(("*.transformer_blocks",)),
+    # U-Nets: every layer the model's loop calls (ResBlocks, transformers, down/upsamplers).
+    "SdxlUNet2DConditionModel": Family(("input_blocks.*", "middle_block", "output_blocks.*")),
+    "UNet2DConditionModel": Family(UNET_BLOCK_LISTS),
 }
 
 
@@ -178,11 +179,7 @@ def is_sd_scripts_model(module: Any) -> bool:
 
 
 def _block_lists(model: nn.Module, family: Family) -> list[str]:
-    paths = [
-        name
-        for name, module in model.named_modules()
-        if isinstance(module, nn.ModuleList) and any(fnmatchcase(name, p) for p in family.blocks)
-    ]
+    paths = match_block_lists(model, family.blocks)
     if not paths:
         raise LaunchError(
             f"unknown sd-scripts layout: {type(model).__name__} has no ModuleList matching {list(family.blocks)}"

@@ -46,7 +46,7 @@ import torch.nn as nn
 class Block(nn.Module):
     def __init__(self):
         super().__init__()
-        self.linear = nn.Linear(4, 4)
+        self.mlp = nn.Sequential(nn.Linear(4, 4), nn.GELU())
         self.gradient_checkpointing = False
 
 class Model(nn.Module):
@@ -211,17 +211,19 @@ def test_flags_become_the_compile_config(monkeypatch: pytest.MonkeyPatch) -> Non
     assert accel.config_from_args(_parse()).mode == "selective"
 
 
-def test_no_compiler_stops_a_budget_and_lets_selective_train_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_compiler_stops_a_budget_and_lets_selective_train_eager() -> None:
     import torch._inductor.config
 
-    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, "no-such-compiler"))  # as $CXX sets it
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     launch = accel.Launch()
     launch.config = BLOCKS
-    with pytest.raises(accel.LaunchError, match=r"needs inductor.*no C\+\+ compiler"):
+    # config.patch, not monkeypatch: torch >= 2.14's config module loses an attribute that
+    # monkeypatch sets and deletes again, and every later compile fails on it.
+    with torch._inductor.config.patch({"cpp.cxx": (None, "no-such-compiler")}):  # as $CXX sets it
+        with pytest.raises(accel.LaunchError, match=r"needs inductor.*no C\+\+ compiler"):
+            launch.accelerate(model, torch.device("cpu"))
+        launch.config = CompileConfig(mode="selective")
         launch.accelerate(model, torch.device("cpu"))
-    launch.config = CompileConfig(mode="selective")
-    launch.accelerate(model, torch.device("cpu"))
     assert launch.acceleration is None and "forward" not in model[0].__dict__
 
 
@@ -445,12 +447,14 @@ def test_flux_and_sd3_lora_gradients_match_eager(sd_scripts: Path, name: str, gr
     assert stats["unique_graphs"] == graphs
 
 
-def test_sd3_selective_compiles_the_children_of_its_block_halves(sd_scripts: Path) -> None:
-    """SD3's joint blocks call methods of their two halves (no forward of their own), so the
-    regions are the halves' children; every region is called and compiled."""
+def test_sd3_selective_compiles_the_checkpointed_body_of_each_joint_block(sd_scripts: Path) -> None:
+    """SD3's joint blocks checkpoint `_forward` (which calls methods of the two halves): that
+    body is the region, so each block is one graph inside its eager checkpoint."""
     model, network = _with_lora("sd3")
     stats = _assert_parity(model, network, CompileConfig(mode="selective"), MODELS["sd3"][1]).stats()
+    assert stats["regions"] == stats["compiled_regions"] == len(model.joint_blocks)
     assert stats["unique_graphs"] > 0 and stats["uncalled_regions"] == []
+    assert all("_forward" in vars(block) and "forward" not in vars(block) for block in model.joint_blocks)
 
 
 def test_lora_state_dict_and_saved_file_keys_are_unchanged(sd_scripts: Path, tmp_path: Path) -> None:
@@ -558,15 +562,28 @@ def test_flux_on_cuda_with_cpu_offload_checkpointing(sd_scripts: Path, config: C
     assert checkpointed == [config.mode == "selective"] * len(checkpointed)
 
 
-def test_sdxl_unet_transformer_blocks_are_found(sd_scripts: Path) -> None:
+def test_sdxl_unet_regions_cover_its_resblocks_and_transformers(sd_scripts: Path) -> None:
     from library import sdxl_original_unet
+
+    from compile_accel.blocks import resolve_block_lists
+    from compile_accel.selective import region_specs
 
     with torch.device("meta"):
         unet = sdxl_original_unet.SdxlUNet2DConditionModel()
     paths = accel._block_lists(unet, accel.FAMILIES["SdxlUNet2DConditionModel"])
-    assert paths and all(path.endswith(".transformer_blocks") for path in paths)
-    blocks = [block for path in paths for block in unet.get_submodule(path)]
-    assert len(blocks) == 70 and {type(b).__name__ for b in blocks} == {"BasicTransformerBlock"}
+    block_lists = resolve_block_lists(unet, paths)
+    layers = [type(block).__name__ for bl in block_lists for _, block in bl.named_blocks()]
+    # Every ResBlock (6 down, 2 middle, 9 up) and transformer (4, 1, 6) the U-Net's loop calls;
+    # the first conv and the downsamplers sit in Sequentials of their own: one conv each.
+    assert layers.count("ResnetBlock2D") == 17 and layers.count("Transformer2DModel") == 11
+    assert set(layers) == {"ResnetBlock2D", "Transformer2DModel", "Upsample2D"}
+    blocks = {spec.label for spec in region_specs("blocks", block_lists, [])}
+    assert len(blocks) == len(layers)
+    selective = [spec.label for spec in region_specs("selective", block_lists, [])]
+    # Selective: each checkpointed body (ResBlocks, upsamplers, the 70 transformer blocks).
+    assert sum(label.endswith(".transformer_blocks.0.forward_body") for label in selective) == 11
+    assert sum(".transformer_blocks." in label for label in selective) == 70
+    assert all(label.endswith(".forward_body") for label in selective)
 
 
 @pytest.mark.parametrize(
