@@ -281,3 +281,32 @@ def test_wan_bench_builder_trains_a_lora_step(monkeypatch) -> None:
     assert all(p.grad is not None for p in bench.lora_params)
     # LoRA's B starts at zero, so only B has a gradient at the first step: half of them.
     assert sum(bool(p.grad.abs().sum() > 0) for p in bench.lora_params) == len(bench.lora_params) // 2
+
+
+def test_unet_adapter_compiles_resblocks_attentions_and_resamplers_and_switches_their_checkpointing() -> None:
+    """diffusers' UNet2DConditionModel: the blocks are each down/mid/up block's resnets,
+    attentions and resamplers; a budget switches off the down/up blocks' checkpoint flags."""
+    from diffusers import UNet2DConditionModel
+
+    unet = UNet2DConditionModel(
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32,
+        attention_head_dim=8,
+        norm_num_groups=8,
+        sample_size=8,
+    )
+    unet.enable_gradient_checkpointing()
+    acceleration = accel_diffusers.apply(unet, CompileConfig(mode="blocks", activation_memory_budget=0.5))
+    kinds = {type(module).__name__ for module in (region.module for region in acceleration.regions)}
+    assert kinds == {"ResnetBlock2D", "Transformer2DModel", "Downsample2D", "Upsample2D"}
+    # Every ResnetBlock2D and Transformer2DModel of the U-Net is a region.
+    for kind in ("ResnetBlock2D", "Transformer2DModel"):
+        everywhere = sum(type(m).__name__ == kind for m in unet.modules())
+        assert sum(type(r.module).__name__ == kind for r in acceleration.regions) == everywhere
+    switched = acceleration.stats()["checkpointing_switched_off"]
+    assert switched and all(not unet.get_submodule(name).gradient_checkpointing for name in switched)
+    acceleration.restore()
+    assert all(unet.get_submodule(name).gradient_checkpointing for name in switched)
