@@ -1,7 +1,8 @@
 """Compiled regions: a module whose forward runs through one shared compiled function.
 
-A region replaces `module.forward` (an instance attribute, so state-dict keys, parameters
-and hooks stay as they are) with a dispatcher. All regions whose forward is the same
+A region replaces `module.forward`, or the body method the module's checkpoint runs
+(`_forward`; see compile_accel.selective), with a dispatcher: an instance attribute, so
+state-dict keys, parameters and hooks stay as they are. All regions whose method is the same
 function (every instance of a block class, every kohya-LoRA-patched Linear) share one
 `torch.compile` of that function, called with the instance as `self`: one graph per class
 and input shape, not one compile per instance.
