@@ -339,7 +339,8 @@ def _sd_scripts_bench(spec: SdScriptsModel, device: str, lora_rank: int, options
         torch.randn_like(spec.latents),
         enable_checkpointing,
         accel_sd_scripts.apply,
-        reset_block_swap=model.prepare_block_swap_before_forward if swap else _nothing,
+        # (auto may swap blocks where --blocks-to-swap asked for none)
+        reset_block_swap=getattr(model, "prepare_block_swap_before_forward", _nothing),
     )
 
 

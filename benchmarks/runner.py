@@ -41,7 +41,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import math
 import os
 import platform
 import statistics
@@ -49,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -61,6 +61,7 @@ from compile_accel import CompileConfig, LayerOffloadConductor
 from compile_accel.compile_cache import load_compile_cache, save_compile_cache
 from compile_accel.distributed import apply_ddp
 from compile_accel.memory import SavedActivationMeter
+from compile_accel.memory import gib_argument as _gib
 from compile_accel.placement import split_blocks
 
 from .models import MODELS, BenchModel, SdScriptsOptions
@@ -206,17 +207,6 @@ def _whole_number(minimum: int, multiple_of: int = 1) -> Callable[[str], int]:
         return int(text)
 
     return parse
-
-
-def _gib(text: str) -> float:
-    """argparse type: a finite number of GiB above 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a finite number of GiB > 0, got {text!r}")
-    return value
 
 
 def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
@@ -567,6 +557,7 @@ def out_of_memory_result(spec: ModeSpec, settings: BenchSettings, error: BaseExc
         "model": settings.model,
         "device": settings.device,
         "oom": _first_line(error),
+        "oom_where": "".join(traceback.format_tb(error.__traceback__)[-4:]),  # which step, which call
         "processes": spec.ddp,
         "devices": spec.ddp * spec.split,
     }
@@ -673,7 +664,7 @@ def markdown_table(report: dict[str, Any], baseline: str = "eager+ckpt") -> str:
             f"| {'-' if r.get('mfu') is None else format(r['mfu'], '.1%')} | {s.get('unique_graphs', 0)} "
             f"| {s.get('recompiles', 0)} | {s.get('graph_breaks', 0)} | {len(s.get('fallbacks', []))} |"
         )
-    extra = [cap_note(report), offload_table(ran), parallel_table(ran), gpu_time_table(ran)]
+    extra = [cap_note(report), auto_note(ran), offload_table(ran), parallel_table(ran), gpu_time_table(ran)]
     return "\n\n".join(["\n".join(lines), *(table for table in extra if table)])
 
 
@@ -687,6 +678,29 @@ def cap_note(report: dict[str, Any]) -> str:
         f"Under --vram-cap-gib {cap:g}: each process could allocate at most {cap:g} GiB per GPU, so the memory "
         f"columns and OOM rows are what a {cap:g} GiB card would see, while the speeds are those of {gpu}."
     )
+
+
+def auto_note(report: dict[str, Any]) -> str:
+    """What each +auto row chose, over which limit, and what its calibration measured."""
+    notes = []
+    for r in report["results"]:
+        auto = r["stats"].get("auto_budget")
+        if not auto:
+            continue
+        setting = f"budget {auto['budget']}"
+        if auto.get("offload_name"):
+            setting += f" at {auto['offload_name']} {auto['offload']:g}"
+        tried = ", ".join(
+            f"{row['budget']}" + ("" if row["offload"] is None else f"@{row['offload']:g}")
+            + (": OOM" if row["out_of_memory"] else f": {row['seconds']:.3f} s {row['peak_bytes'] / 2**30:.2f} GiB")
+            for row in auto["table"]
+        )
+        notes.append(
+            f"{r['mode']} chose {setting} ({'fits' if auto['fits'] else 'nothing fit'} {auto['limit_gib']:g} GiB; "
+            f"calibration {auto.get('calibration_seconds', 0):.1f} s{', cached' if auto['cached'] else ''}); "
+            f"measured budget@offload: {tried}."
+        )
+    return "\n\n".join(notes)
 
 
 def offload_table(report: dict[str, Any]) -> str:

@@ -14,6 +14,7 @@ from . import checkpointing
 from .auto_budget import AutoBudget
 from .blocks import BlockList, resolve_block_lists
 from .config import CompileConfig
+from .offload import offload_fraction_ladder
 from .regions import CompiledFunction, Region, restore_forward
 from .selective import is_excluded, region_specs
 from .stats import Stats, warn
@@ -200,8 +201,11 @@ def apply(
 
         # What is compiled, and how, changes the peaks: part of the calibration cache's key.
         compiled = repr(([r.name for r in regions], dataclasses.replace(config, vram_limit_gib=None)))
-        acceleration.auto_budget = AutoBudget(model, set_budget, stats, config.vram_limit_gib, compiled)
-        acceleration.on_restore(acceleration.auto_budget.handle.remove)
+        blocks = [block for block_list in block_lists for block in block_list.blocks]
+        acceleration.auto_budget = AutoBudget(
+            model, set_budget, stats, config.vram_limit_gib, compiled, lambda device: offload_fraction_ladder(blocks)
+        )
+        acceleration.on_restore(acceleration.auto_budget.remove)
     acceleration.on_restore(_watch_uncalled_regions(model, regions, stats).remove)
     model.__dict__[_MARK] = acceleration
     return acceleration

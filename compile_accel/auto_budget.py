@@ -14,6 +14,17 @@ What it costs, once: a compile per candidate (cold, about what one budget's firs
 seconds with a warm inductor cache) and two forward+backward passes per candidate. Gradients,
 RNG state and everything else the calibration touches are put back before the real step.
 On a CPU, "peak" is the bytes autograd saves for backward (there is no allocator peak).
+
+Budgets are tried from the smallest up; once one runs out of memory or peaks over the limit,
+the larger ones (which keep more) are not tried.
+
+Joint search with offloading: when an offload ladder is known (sd-scripts' `--blocks_to_swap`
+through the sd-scripts integration, or a LayerOffloadConductor attached to the blocks: its
+`offload_fraction`) and no budget fits with the blocks as they are, the ladder is climbed: the
+fewest blocks offloaded at which some budget fits is found by bisection (memory only falls as
+more is offloaded), then one more rung is tried as long as it is faster (a rung more may let a
+larger budget fit, which recomputes less). The ladder starts at what the user set up and only
+goes up: auto never keeps more blocks on the GPU than asked.
 """
 
 from __future__ import annotations
@@ -21,10 +32,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +59,32 @@ class Measurement:
     seconds: float
     peak_bytes: int
     out_of_memory: bool = False  # the run raised torch.OutOfMemoryError (seconds and peak: 0)
+    offload: float | None = None  # the offload ladder's rung it ran at; None without a ladder
+
+
+@dataclass(frozen=True)
+class OffloadLadder:
+    """A way to keep fewer blocks' weights on the GPU, which auto turns when no budget fits.
+
+    name: what the log, the cache and stats call it ("blocks_to_swap", "offload_fraction").
+    levels: the rungs, ascending; levels[0] is the setting in place when calibration starts.
+    set_level: puts the model at a rung; called between steps, never inside a forward. May
+        raise torch.OutOfMemoryError (the rung then counts as out of memory).
+    """
+
+    name: str
+    levels: tuple[float, ...]
+    set_level: Callable[[float], None]
+
+    def __post_init__(self) -> None:
+        if not self.levels or list(self.levels) != sorted(set(self.levels)):
+            raise ValueError(f"OffloadLadder {self.name!r}: levels must be ascending and distinct, got {self.levels}")
+
+
+def spaced_levels(start: float, stop: float, rungs: int = 6, whole: bool = False) -> tuple[float, ...]:
+    """`start`, then `rungs` evenly spaced steps up to `stop` (whole numbers if `whole`)."""
+    steps = (start + (stop - start) * k / rungs for k in range(rungs + 1))
+    return tuple(sorted({round(x) if whole else round(x, 3) for x in steps}))
 
 
 def choose(measurements: Iterable[Measurement], limit_bytes: int) -> tuple[Measurement, bool]:
@@ -62,10 +100,15 @@ def choose(measurements: Iterable[Measurement], limit_bytes: int) -> tuple[Measu
 
 
 def default_limit_bytes(device: torch.device) -> int:
-    """What this process may use: the GPU's free memory plus what torch already reserved,
-    less a margin (1 GiB or 5% of the card, the larger) for fragmentation and the optimizer."""
+    """What this process may use: the GPU's free memory plus what torch already reserved (at
+    most the per-process memory fraction's share of the card, as `--vram-cap-gib` sets it), less
+    a margin (1 GiB or 5% of that, the larger) for fragmentation and the optimizer."""
     free, total = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - max(GIB, total // 20)
+    usable = free + torch.cuda.memory_reserved(device)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if fraction is not None:
+        usable = min(usable, int(fraction(device) * total))
+    return usable - max(GIB, usable // 20)
 
 
 def cache_path() -> Path:
@@ -75,7 +118,14 @@ def cache_path() -> Path:
     return Path(root) / "auto_budget.json"
 
 
-def _cache_key(model: nn.Module, compiled: str, inputs: list[torch.Tensor], device: torch.device, limit: int) -> str:
+def _cache_key(
+    model: nn.Module,
+    compiled: str,
+    inputs: list[torch.Tensor],
+    device: torch.device,
+    limit: int,
+    ladder: OffloadLadder | None,
+) -> str:
     parts = [
         type(model).__qualname__,
         sum(p.numel() for p in model.parameters()),
@@ -88,6 +138,7 @@ def _cache_key(model: nn.Module, compiled: str, inputs: list[torch.Tensor], devi
         limit,
         CANDIDATES,
         torch.is_autocast_enabled(device.type),
+        None if ladder is None else (ladder.name, ladder.levels),
     ]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:24]
 
@@ -106,8 +157,48 @@ def _read_cache() -> dict[str, Any]:
     return cache
 
 
-def _valid_entry(entry: Any) -> bool:
-    return isinstance(entry, dict) and entry.get("budget") in CANDIDATES and isinstance(entry.get("fits"), bool)
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_candidate(value: Any) -> bool:
+    return _is_number(value) and value in CANDIDATES  # True == 1.0: bools are refused first
+
+
+def _valid_row(row: Any, levels: tuple[float, ...] | None) -> bool:
+    return (
+        isinstance(row, dict)
+        and set(row) == {f.name for f in fields(Measurement)}
+        and _is_candidate(row["budget"])
+        and _is_number(row["seconds"])
+        and row["seconds"] >= 0
+        and isinstance(row["peak_bytes"], int)
+        and not isinstance(row["peak_bytes"], bool)
+        and row["peak_bytes"] >= 0
+        and isinstance(row["out_of_memory"], bool)
+        and (row["offload"] is None if levels is None else row["offload"] in levels)
+    )
+
+
+def _valid_entry(entry: Any, ladder: OffloadLadder | None) -> bool:
+    """Every field of a cache entry has the type and range calibration writes: a hand-edited or
+    truncated entry is recalibrated, never half used."""
+    levels = None if ladder is None else ladder.levels
+    return (
+        isinstance(entry, dict)
+        and set(entry) == {"budget", "fits", "limit_gib", "table", "offload"}
+        and _is_candidate(entry["budget"])
+        and isinstance(entry["fits"], bool)
+        and _is_number(entry["limit_gib"])
+        and isinstance(entry["table"], list)
+        and bool(entry["table"])
+        and all(_valid_row(row, levels) for row in entry["table"])
+        and (entry["offload"] is None if levels is None else entry["offload"] in levels)
+        and any(
+            row["budget"] == entry["budget"] and row["offload"] == entry["offload"] and not row["out_of_memory"]
+            for row in entry["table"]
+        )
+    )
 
 
 def _write_cache(key: str, entry: dict[str, Any]) -> None:
@@ -161,8 +252,14 @@ class AutoBudget:
     """Forward pre-hook on the model root that calibrates once, on the first training call.
 
     `set_budget(budget, stats)` switches every compiled region of the Acceleration to a
-    budget, counting into `stats`; `measure` and `candidates` (the budgets timed, in order) are
+    budget, counting into `stats`. `find_ladder(device)` returns the offload ladder to climb
+    when nothing fits (None: there is none); it is asked at calibration, so an offloader set up
+    after apply() counts. `measure` and `candidates` (the budgets timed, ascending) are
     replaceable for tests.
+
+    A calibration that raises (Ctrl-C, an error in a candidate's step) puts the model back at
+    the ladder's first rung and the lowest budget, warns, and runs again on the next training
+    forward; what it compiled is counted in the stats either way.
     """
 
     def __init__(
@@ -172,6 +269,7 @@ class AutoBudget:
         stats: Stats,
         limit_gib: float | None,
         compiled: str = "",
+        find_ladder: Callable[[torch.device], OffloadLadder | None] = lambda device: None,
         measure: Measure = _measure,
     ) -> None:
         self.model = model
@@ -179,12 +277,18 @@ class AutoBudget:
         self.set_budget = set_budget
         self.stats = stats
         self.limit_gib = limit_gib
+        self.find_ladder = find_ladder
         self.measure = measure
         self.candidates = CANDIDATES
         self.result: dict[str, Any] | None = None
+        self._level = math.nan  # the ladder's rung the model is at (nan: not known)
         self._running = False
         self._warned_eval = False
         self.handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def remove(self) -> None:
+        """Calibrate never (restore() calls this)."""
+        self.handle.remove()
 
     def _hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._running or not torch.is_grad_enabled():
@@ -202,6 +306,9 @@ class AutoBudget:
         self._running = True
         try:
             self.calibrate(args, kwargs)
+        except BaseException:
+            self.handle = module.register_forward_pre_hook(self._hook, with_kwargs=True)
+            raise
         finally:
             self._running = False
         return None
@@ -215,19 +322,14 @@ class AutoBudget:
             limit = default_limit_bytes(device)
         else:
             raise ValueError("activation_memory_budget='auto' on a CPU needs CompileConfig.vram_limit_gib")
-        key = _cache_key(self.model, self.compiled, inputs, device, limit)
+        ladder = self.find_ladder(device)
+        self._level = math.nan if ladder is None else ladder.levels[0]
+        key = _cache_key(self.model, self.compiled, inputs, device, limit, ladder)
         cached = _read_cache().get(key)
-        if cached is not None and not _valid_entry(cached):
+        if cached is not None and not _valid_entry(cached, ladder):
             warn(f"ignoring a malformed entry of the auto budget cache {cache_path()}: {str(cached)[:80]}")
         elif cached is not None:
-            self.set_budget(cached["budget"], self.stats)
-            self.result = {**cached, "cached": True}
-            logger.info("auto activation memory budget %.2f (cached in %s)", cached["budget"], cache_path())
-            if not cached["fits"]:
-                self._warn_nothing_fits(limit, cached["budget"], cached.get("table", []))
-            return self.result
-
-        measurements, per_budget_stats = [], {}
+            return self._settle(cached, ladder, limit, cached=True)
 
         def run() -> None:
             out = self.model(*args, **kwargs)
@@ -244,49 +346,138 @@ class AutoBudget:
                     t.grad = grad
 
         start = time.perf_counter()
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            for budget in self.candidates:
-                per_budget_stats[budget] = Stats(regions=self.stats.regions)
-                self.set_budget(budget, per_budget_stats[budget])
-                try:
-                    seconds, peak = self.measure(run, device, [*self.model.parameters()])
-                except torch.OutOfMemoryError:
-                    measurements.append(Measurement(budget, 0.0, 0, out_of_memory=True))
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
-                    break  # larger budgets save more
-                measurements.append(Measurement(budget, seconds, peak))
+        levels: tuple[float | None, ...] = (None,) if ladder is None else ladder.levels
+        tables: dict[int, list[Measurement]] = {}
+        counts: list[Stats] = []  # one per candidate run; every graph compiled is counted
+
+        def fastest(rung: int) -> Measurement | None:
+            if rung not in tables:
+                tables[rung] = self._measure_rung(run, device, limit, ladder, levels[rung], counts)
+            fitting = [m for m in tables[rung] if not m.out_of_memory and m.peak_bytes <= limit]
+            return min(fitting, key=lambda m: m.seconds, default=None)
+
         try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                _climb(fastest, len(levels))
+            measurements = [m for rung in sorted(tables) for m in tables[rung]]
             best, fits = choose(measurements, limit)
-        except RuntimeError:
-            self.set_budget(self.candidates[0], self.stats)
+        except BaseException as error:
+            self._recover(ladder, error)
             raise
-        self.set_budget(best.budget, self.stats)
-        self.stats.absorb(per_budget_stats[best.budget])
+        finally:
+            for run_counts in counts:
+                self.stats.absorb(run_counts)
         entry = {
             "budget": best.budget,
             "fits": fits,
             "limit_gib": round(limit / GIB, 3),
             "table": [asdict(m) for m in measurements],
+            "offload": best.offload,
         }
         _write_cache(key, entry)
-        self.result = {**entry, "cached": False, "calibration_seconds": round(time.perf_counter() - start, 2)}
-        table = "\n".join(
-            f"  budget {m.budget:.1f}: out of memory"
-            if m.out_of_memory
-            else f"  budget {m.budget:.1f}: {m.seconds * 1e3:8.1f} ms, peak {m.peak_bytes / GIB:6.2f} GiB"
-            f"{'  <- chosen' if m is best else ''}{'' if m.peak_bytes <= limit else '  (over the limit)'}"
-            for m in measurements
-        )
-        logger.info("auto activation memory budget over %.2f GiB:\n%s", limit / GIB, table)
-        if not fits:
-            self._warn_nothing_fits(limit, best.budget, entry["table"])
+        result = self._settle(entry, ladder, limit, cached=False)
+        result["calibration_seconds"] = round(time.perf_counter() - start, 2)
+        return result
+
+    def _measure_rung(
+        self,
+        run: Callable[[], None],
+        device: torch.device,
+        limit: int,
+        ladder: OffloadLadder | None,
+        level: float | None,
+        counts: list[Stats],
+    ) -> list[Measurement]:
+        """The candidates at one rung of the ladder, smallest budget first, up to the first that
+        runs out of memory or peaks over the limit (larger budgets keep more)."""
+        table = []
+        try:
+            self._go(ladder, level)
+            for budget in self.candidates:
+                counts.append(Stats(regions=self.stats.regions))
+                self.set_budget(budget, counts[-1])
+                seconds, peak = self.measure(run, device, [*self.model.parameters()])
+                table.append(Measurement(budget, seconds, peak, offload=level))
+                if peak > limit:
+                    break
+        except torch.OutOfMemoryError:
+            table.append(Measurement(self.candidates[len(table)], 0.0, 0, out_of_memory=True, offload=level))
+            self._level = math.nan  # a step cut short may leave an offloader's blocks half moved: set it again
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        return table
+
+    def _go(self, ladder: OffloadLadder | None, level: float | None) -> None:
+        """Put the model at `level` of the ladder, if it is not there (moving blocks takes time)."""
+        if ladder is None or level == self._level:
+            return
+        self._level = math.nan  # until set_level returns
+        ladder.set_level(level)
+        self._level = level
+
+    def _settle(self, entry: dict[str, Any], ladder: OffloadLadder | None, limit: int, cached: bool) -> dict[str, Any]:
+        """Put the model at the entry's rung and budget; log the choice (and the table)."""
+        self._go(ladder, entry["offload"])
+        self.set_budget(entry["budget"], self.stats)
+        self.result = {**entry, "offload_name": None if ladder is None else ladder.name, "cached": cached}
+        chosen = _setting(entry["budget"], entry["offload"], ladder)
+        if cached:
+            logger.info("auto: %s (cached in %s)", chosen, cache_path())
+        else:
+            rows = []
+            for m in (Measurement(**row) for row in entry["table"]):
+                where = _setting(m.budget, m.offload, ladder)
+                if m.out_of_memory:
+                    rows.append(f"  {where}: out of memory")
+                    continue
+                mark = "  <- chosen" if where == chosen else ""
+                over = "" if m.peak_bytes <= limit else "  (over the limit)"
+                rows.append(f"  {where}: {m.seconds * 1e3:8.1f} ms, peak {m.peak_bytes / GIB:6.2f} GiB{mark}{over}")
+            logger.info("auto over %.2f GiB:\n%s", limit / GIB, "\n".join(rows))
+        if not entry["fits"]:
+            peak = next(row["peak_bytes"] for row in entry["table"] if _setting(row["budget"], row["offload"], ladder) == chosen)
+            offload = "" if ladder is None else f" even at {ladder.name} {_level(ladder.levels[-1])}"
+            warn(
+                f"no activation memory budget fits {limit / GIB:.2f} GiB on this batch{offload}; using {chosen} "
+                f"(lowest peak, {peak / GIB:.2f} GiB). Lower the batch size or resolution, or offload blocks"
+            )
         return self.result
 
-    @staticmethod
-    def _warn_nothing_fits(limit: int, budget: float, table: list[dict[str, Any]]) -> None:
-        peak = next((m["peak_bytes"] for m in table if m["budget"] == budget), 0)
-        warn(
-            f"no activation memory budget fits {limit / GIB:.2f} GiB on this batch; using {budget} "
-            f"(lowest peak, {peak / GIB:.2f} GiB). Lower the batch size or resolution, or offload blocks"
-        )
+    def _recover(self, ladder: OffloadLadder | None, error: BaseException) -> None:
+        """After a calibration that raised: the first rung, the lowest budget, and a warning."""
+        try:
+            self._go(ladder, None if ladder is None else ladder.levels[0])
+        finally:
+            self.set_budget(self.candidates[0], self.stats)
+            warn(
+                f"activation_memory_budget='auto' calibration stopped ({type(error).__name__}: {str(error)[:120]}); "
+                f"the blocks run at budget {self.candidates[0]} until it runs again, on the next training forward"
+            )
+
+
+def _climb(fastest: Callable[[int], Measurement | None], rungs: int) -> None:
+    """Measure the rungs the search needs (see the module docstring): the first; if nothing fits
+    there, the last, then bisection for the lowest that fits, then upward while faster."""
+    if fastest(0) is not None or rungs == 1 or fastest(rungs - 1) is None:
+        return
+    low, high = 1, rungs - 1  # `high` fits
+    while low < high:
+        middle = (low + high) // 2
+        if fastest(middle) is not None:
+            high = middle
+        else:
+            low = middle + 1
+    while high + 1 < rungs:
+        here, above = fastest(high), fastest(high + 1)
+        if above is None or above.seconds >= here.seconds:
+            return
+        high += 1
+
+
+def _level(level: float) -> str:
+    return f"{level:g}"
+
+
+def _setting(budget: float, level: float | None, ladder: OffloadLadder | None) -> str:
+    """How the log names a candidate: "budget 0.1" or "blocks_to_swap 12, budget 0.1"."""
+    return f"budget {budget:.1f}" if ladder is None else f"{ladder.name} {_level(level)}, budget {budget:.1f}"

@@ -107,7 +107,7 @@ def _sd_scripts_option_refusal(args: argparse.Namespace, specs: list[ModeSpec]) 
     return None
 
 
-def _vram_cap_refusal(args: argparse.Namespace, specs: list[ModeSpec], device: str) -> str | None:
+def _vram_cap_refusal(args: argparse.Namespace, device: str) -> str | None:
     """Why --vram-cap-gib cannot run here, or None."""
     import torch
 
@@ -118,9 +118,6 @@ def _vram_cap_refusal(args: argparse.Namespace, specs: list[ModeSpec], device: s
     total = torch.cuda.get_device_properties(0).total_memory / 2**30
     if args.vram_cap_gib > total:
         return f"--vram-cap-gib {args.vram_cap_gib:g} is more than this GPU's {total:.1f} GiB"
-    auto = [s.name for s in specs if s.config.activation_memory_budget == "auto"]
-    if auto and args.vram_limit_gib is None:
-        return f"{auto[0]} under --vram-cap-gib needs --vram-limit-gib (its default is the free memory, not the cap)"
     return None
 
 
@@ -150,7 +147,7 @@ def bench(args: argparse.Namespace) -> int:
     auto = [s.name for s in specs if s.config.activation_memory_budget == "auto"]
     if auto and device == "cpu" and args.vram_limit_gib is None:
         return _refuse(f"{auto[0]} on the CPU needs --vram-limit-gib (the limit for the bytes saved for backward)")
-    refusal = _sd_scripts_option_refusal(args, specs) or _vram_cap_refusal(args, specs, device)
+    refusal = _sd_scripts_option_refusal(args, specs) or _vram_cap_refusal(args, device)
     if refusal:
         return _refuse(refusal)
     settings = runner.BenchSettings.from_args(args, device)

@@ -1,7 +1,10 @@
-"""Saved activation bytes: what a CPU has instead of a peak-memory counter."""
+"""Saved activation bytes (what a CPU has instead of a peak-memory counter), and the GiB
+amounts command lines take."""
 
 from __future__ import annotations
 
+import argparse
+import math
 from collections.abc import Iterable
 
 import torch
@@ -35,3 +38,14 @@ class SavedActivationMeter:
 
     def __exit__(self, *exc: object) -> None:
         self._hooks.__exit__(*exc)
+
+
+def gib_argument(text: str) -> float:
+    """argparse type of a memory amount: a finite number of GiB above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number of GiB > 0, got {text!r}")
+    return value

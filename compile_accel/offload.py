@@ -85,6 +85,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
+from .auto_budget import OffloadLadder, spaced_levels
 from .blocks import resolve_block_lists
 from .budget import compiled_call_running
 from .checkpointing import under_saved_tensor_checkpoint
@@ -237,10 +238,7 @@ class LayerOffloadConductor:
         offload_dtype: str | None = None,
         pin_memory: bool = True,
     ) -> None:
-        if isinstance(offload_fraction, bool) or not isinstance(offload_fraction, numbers.Real):
-            raise ValueError(f"offload_fraction must be a number in [0.0, 1.0], got {offload_fraction!r}")
-        if not 0.0 <= offload_fraction <= 1.0:
-            raise ValueError(f"offload_fraction must be in [0.0, 1.0], got {offload_fraction!r}")
+        _check_fraction(offload_fraction)
         if offload_dtype not in OFFLOAD_DTYPES:
             raise ValueError(f"offload_dtype must be one of {OFFLOAD_DTYPES}, got {offload_dtype!r}")
         device = torch.device(device if device is not None else "cuda")
@@ -261,6 +259,7 @@ class LayerOffloadConductor:
         self.offload_dtype = offload_dtype
         self.pin_memory = pin_memory and self.cuda
         self.blocks: list[_Block] = []
+        self._attached_as: tuple[nn.Module | Sequence[nn.Module], bool] | None = None  # attach()'s arguments
         self._slots: list[torch.Tensor] = []
         self._staging: list[torch.Tensor] = []  # int8 mode: where the host blob lands before dequantizing
         self._staging_read: list[torch.cuda.Event | None] = []  # int8: the last dequantize out of each
@@ -345,6 +344,7 @@ class LayerOffloadConductor:
             self._slots, self._staging, self._original_devices, self._original_layouts = [], [], {}, {}
             raise
         self.blocks = plan
+        self._attached_as = (blocks, hooks)
         self._owned = {id(t) for block in plan for t in (*block.module.modules(), *block.module.parameters())}
         _ATTACHED.add(self)
         self._generation += 1
@@ -465,6 +465,18 @@ class LayerOffloadConductor:
         self._staging_read, self._staged = [], []
         self._last = self._previous = None
         self._kept, self._kept_staying, self._host_owner = [], set(), {}
+
+    def set_offload_fraction(self, offload_fraction: float) -> None:
+        """Stream another share of the blocks: detach, then attach the same blocks again (between
+        steps, never inside a forward). activation_memory_budget="auto" turns this when no budget
+        fits. Detaching puts the weights where they were at attach: attach from the CPU when the
+        GPU cannot hold them all."""
+        _check_fraction(offload_fraction)
+        attached_as = self._attached_as if self.blocks else None
+        self.detach()
+        self.offload_fraction = float(offload_fraction)
+        if attached_as is not None:
+            self.attach(*attached_as)
 
     # ---- per visit ---------------------------------------------------------------------
 
@@ -882,6 +894,23 @@ class LayerOffloadConductor:
             f"LayerOffloadConductor(offload_fraction={self.offload_fraction}, device={self.device}, "
             f"blocks={len(self.blocks)}, streamed={streamed}, offload_dtype={self.offload_dtype!r})"
         )
+
+
+def _check_fraction(offload_fraction: Any) -> None:
+    if isinstance(offload_fraction, bool) or not isinstance(offload_fraction, numbers.Real):
+        raise ValueError(f"offload_fraction must be a number in [0.0, 1.0], got {offload_fraction!r}")
+    if not 0.0 <= offload_fraction <= 1.0:
+        raise ValueError(f"offload_fraction must be in [0.0, 1.0], got {offload_fraction!r}")
+
+
+def offload_fraction_ladder(blocks: Iterable[nn.Module]) -> OffloadLadder | None:
+    """The offload ladder of the conductor attached to `blocks` (from its offload_fraction up to
+    streaming every block), or None when no conductor holds them."""
+    conductor = next(filter(None, map(_owner, blocks)), None)
+    if conductor is None:
+        return None
+    levels = spaced_levels(conductor.offload_fraction, 1.0)
+    return OffloadLadder("offload_fraction", levels, conductor.set_offload_fraction)
 
 
 def _spread_resident(sizes: list[int], count: int) -> set[int]:

@@ -53,7 +53,7 @@ class Stats:
         self.signatures.add(signature)
 
     def absorb(self, other: Stats) -> None:
-        """Add the counts of `other` (the calibration run of the budget that was chosen)."""
+        """Add the counts of `other` (one calibration run of auto: every graph it compiled counts)."""
         self.graphs += other.graphs
         self.recompiles += other.recompiles
         self.signatures |= other.signatures

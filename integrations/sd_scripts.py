@@ -39,12 +39,15 @@ import torch.nn.functional as F
 
 from compile_accel import Acceleration, CompileConfig
 from compile_accel.api import apply_prepared
+from compile_accel.auto_budget import OffloadLadder, spaced_levels
 from compile_accel.blocks import UNET_BLOCK_LISTS, match_block_lists
 from compile_accel.dynamo_settings import HAS_BUDGET_KNOB, cpp_compiler
+from compile_accel.memory import gib_argument
 from compile_accel.patching import ModuleFunctionPatch
 from compile_accel.rotary import real_table, rotate_interleaved
 
 SELECTIVE_ENV = "SDSCRIPTS_SELECTIVE_TORCH_COMPILE"
+BUDGET_ENV = "SDSCRIPTS_TORCH_COMPILE_ACTIVATION_MEMORY_BUDGET"
 Undo = Callable[[], None]
 
 
@@ -54,10 +57,79 @@ class LaunchError(Exception):
 
 @dataclass(frozen=True)
 class Family:
-    """Where one sd-scripts model class keeps its blocks (glob patterns over module names)."""
+    """Where one sd-scripts model class keeps its blocks (glob patterns over module names), its
+    adapter, and the most blocks its `enable_block_swap` accepts (None: it has no block swap)."""
 
     blocks: tuple[str, ...]
     prepare: Callable[[nn.Module], Undo] | None = None
+    most_swapped: Callable[[nn.Module], int] | None = None
+
+
+def _flux_most_swapped(model: nn.Module) -> int:
+    """Flux swaps n // 2 double blocks and twice the rest in single blocks, keeping two of each."""
+    double, single = model.num_double_blocks, model.num_single_blocks
+    return max(n for n in range(double + single) if n // 2 <= double - 2 and 2 * (n - n // 2) <= single - 2)
+
+
+# ---- block swap as auto's offload ladder -----------------------------------------------------
+
+
+def _set_blocks_to_swap(model: nn.Module, count: int, device: torch.device) -> None:
+    """sd-scripts' block swap at `count`, set up as the trainers do (enable_block_swap, then
+    prepare_block_swap_before_forward). The previous offloaders finish their moves and lose
+    their backward hooks first, so only the new ones act."""
+    for offloader in [v for v in vars(model).values() if hasattr(v, "remove_handles") and hasattr(v, "futures")]:
+        for index in list(offloader.futures):
+            offloader._wait_blocks_move(index)
+        for handle in offloader.remove_handles:
+            handle.remove()
+        offloader.remove_handles.clear()
+    model.enable_block_swap(count, device)
+    if count:
+        model.prepare_block_swap_before_forward()
+    else:
+        model.to(device)  # prepare does nothing at 0 swapped: bring every block's weights back
+
+
+def _prepare_swap_after_no_grad_forwards(model: nn.Module) -> Undo:
+    """A forward without backward (sampling, validation) leaves swapped blocks where backward
+    would have put them back; trainers call prepare_block_swap_before_forward after one only
+    when they swap themselves. These hooks do it when auto swapped blocks the trainer did not."""
+    stale = [False]
+
+    def before(module: nn.Module, args: tuple) -> None:
+        if stale[0]:
+            stale[0] = False
+            module.prepare_block_swap_before_forward()
+
+    def after(module: nn.Module, args: tuple, output: Any) -> None:
+        stale[0] = stale[0] or not torch.is_grad_enabled()
+
+    handles = [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
+
+    def undo() -> None:
+        for handle in handles:
+            handle.remove()
+
+    return undo
+
+
+def block_swap_ladder(
+    model: nn.Module, family: Family, device: torch.device, acceleration: Acceleration
+) -> OffloadLadder:
+    """Blocks swapped, from what the trainer set up (--blocks_to_swap, 0 without) to the most the
+    model accepts: the ladder activation_memory_budget="auto" climbs when no budget fits."""
+    start = model.blocks_to_swap or 0
+    hooked: list[Undo] = []
+
+    def set_level(count: float) -> None:
+        _set_blocks_to_swap(model, int(count), device)
+        if count and not start and not hooked:
+            hooked.append(_prepare_swap_after_no_grad_forwards(model))
+            acceleration.on_restore(hooked[0])
+
+    levels = spaced_levels(start, max(start, family.most_swapped(model)), whole=True)
+    return OffloadLadder("blocks_to_swap", levels, set_level)
 
 
 def _real_or_complex_rope(original: Callable) -> Callable:
@@ -165,9 +237,11 @@ def _prepare_lumina(model: nn.Module) -> Undo:
 
 # Keyed by class name; only classes defined in sd-scripts' library/ are looked up.
 FAMILIES: dict[str, Family] = {
-    "NextDiT": Family(("context_refiner", "noise_refiner", "layers"), _prepare_lumina),
-    "Flux": Family(("double_blocks", "single_blocks")),
-    "MMDiT": Family(("joint_blocks",)),
+    "NextDiT": Family(
+        ("context_refiner", "noise_refiner", "layers"), _prepare_lumina, lambda model: len(model.layers) - 2
+    ),
+    "Flux": Family(("double_blocks", "single_blocks"), most_swapped=_flux_most_swapped),
+    "MMDiT": Family(("joint_blocks",), most_swapped=lambda model: model.num_blocks - 2),
     # U-Nets: every layer the model's loop calls (ResBlocks, transformers, down/upsamplers).
     "SdxlUNet2DConditionModel": Family(("input_blocks.*", "middle_block", "output_blocks.*")),
     "UNet2DConditionModel": Family(UNET_BLOCK_LISTS),
@@ -190,20 +264,27 @@ def _block_lists(model: nn.Module, family: Family) -> list[str]:
 def apply(model: nn.Module, config: CompileConfig) -> Acceleration:
     """compile_accel.apply on an sd-scripts model: its family's block lists (and adapter), or
     the repeated blocks compile_accel finds for a class without one. Call it after LoRA's
-    apply_to, before the first step; `restore()` undoes the adapter too."""
+    apply_to, before the first step; `restore()` undoes the adapter too. With
+    activation_memory_budget="auto", a model with block swap (Flux, SD3, Lumina 2) swaps more
+    blocks when no budget fits (see block_swap_ladder)."""
     family = FAMILIES.get(type(model).__name__)
     blocks = _block_lists(model, family) if family else None
-    return apply_prepared(model, config, blocks, family.prepare if family else None)
+    acceleration = apply_prepared(model, config, blocks, family.prepare if family else None)
+    if acceleration.auto_budget is not None and family is not None and family.most_swapped is not None:
+        acceleration.auto_budget.find_ladder = lambda device: block_swap_ladder(model, family, device, acceleration)
+    return acceleration
 
 
 # ---- command-line flags -------------------------------------------------------------------
 
 
-def _budget(text: str) -> float:
+def _budget(text: str) -> float | str:
+    if text == "auto":
+        return text
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1] or auto, got {text!r}") from None
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
     return value
@@ -232,9 +313,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         group.add_argument(
             "--activation_memory_budget",
             type=_budget,
-            default=None,
+            default=os.environ.get(BUDGET_ENV),  # a string default goes through type=, as typed
             help="compile each whole block and keep this fraction (0..1) of its activations for backward, "
-            "recomputing the rest; replaces --gradient_checkpointing for those blocks (0: least memory)",
+            "recomputing the rest; replaces --gradient_checkpointing for those blocks (0: least memory). "
+            "auto: the fastest budget whose peak fits --vram_limit_gib, timed on the first step; with block "
+            "swap (Flux, SD3, Lumina 2) it swaps more blocks than --blocks_to_swap when none fits "
+            f"(also set by {BUDGET_ENV}, the name of the original sd-scripts pull request)",
+        )
+        group.add_argument(
+            "--vram_limit_gib",
+            type=gib_argument,
+            default=None,
+            help="the peak memory --activation_memory_budget auto must fit (default: the GPU's free memory "
+            "less a margin)",
         )
         group.add_argument(
             "--compile_dynamic",
@@ -260,6 +351,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> CompileConfig | None:
     """The CompileConfig the flags ask for, None for none; LaunchError for combinations that cannot work."""
     budget, selective = args.activation_memory_budget, args.selective_torch_compile
+    if args.vram_limit_gib is not None and budget != "auto":
+        raise LaunchError("--vram_limit_gib is the limit of --activation_memory_budget auto; give that too")
     if budget is None and not selective:
         if args.compile_dynamic != "auto" or args.compile_recompile_limit != CompileConfig.recompile_limit:
             raise LaunchError(
@@ -285,6 +378,7 @@ def config_from_args(args: argparse.Namespace) -> CompileConfig | None:
     return CompileConfig(
         mode="blocks" if budget is not None else "selective",
         activation_memory_budget=budget,
+        vram_limit_gib=args.vram_limit_gib,
         dynamic=_DYNAMIC[args.compile_dynamic],
         recompile_limit=args.compile_recompile_limit,
     )

@@ -196,6 +196,30 @@ def test_combinations_that_cannot_work_are_refused(argv: list[str], flags: dict,
         accel.config_from_args(_parse(*argv, **flags))
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "lots"])
+def test_bad_vram_limit_is_an_argparse_error(value: str) -> None:
+    with pytest.raises(SystemExit):
+        _parse("--activation_memory_budget", "auto", "--vram_limit_gib", value)
+
+
+def test_a_vram_limit_without_auto_is_refused() -> None:
+    with pytest.raises(accel.LaunchError, match="--vram_limit_gib is the limit of --activation_memory_budget auto"):
+        accel.config_from_args(_parse("--activation_memory_budget", "0.5", "--vram_limit_gib", "20"))
+
+
+def test_auto_and_the_original_pull_requests_variable_become_the_compile_config(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    config = accel.config_from_args(_parse("--activation_memory_budget", "auto", "--vram_limit_gib", "22.5"))
+    assert (config.mode, config.activation_memory_budget, config.vram_limit_gib) == ("blocks", "auto", 22.5)
+    monkeypatch.setenv(accel.BUDGET_ENV, "0.3")
+    assert accel.config_from_args(_parse()).activation_memory_budget == 0.3
+    assert accel.config_from_args(_parse("--activation_memory_budget", "0.7")).activation_memory_budget == 0.7
+    monkeypatch.setenv(accel.BUDGET_ENV, "most")
+    with pytest.raises(SystemExit):
+        _parse()
+
+
 def test_flags_become_the_compile_config(monkeypatch: pytest.MonkeyPatch) -> None:
     config = accel.config_from_args(
         _parse("--activation_memory_budget", "0", "--compile_dynamic", "true", "--compile_recompile_limit", "128")
@@ -488,6 +512,41 @@ def test_lumina_block_swap_with_model_offloader(sd_scripts: Path) -> None:
     assert stats["eager_nonresident_calls"] == 0
 
 
+def _auto_with_block_swap(model: torch.nn.Module, limit_gib: float) -> tuple[accel.Acceleration, list[int]]:
+    """auto on Lumina 2 with six layers, measured by a table: each layer resident costs 0.25 GiB,
+    each one swapped 10 ms; nothing fits below 3 swapped at a 1 GiB limit."""
+    config = CompileConfig(
+        mode="blocks", activation_memory_budget="auto", vram_limit_gib=limit_gib, backend="aot_eager_decomp_partition"
+    )
+    acceleration = accel.apply(model, config)
+    swapped: list[int] = []
+
+    def measure(run, device, parameters):
+        run()
+        swapped.append(model.blocks_to_swap or 0)
+        return 0.1 + 0.01 * swapped[-1], int((0.1 + 0.25 * (6 - swapped[-1])) * 2**30)
+
+    acceleration.auto_budget.measure = measure
+    acceleration.auto_budget.candidates = (0.0,)
+    return acceleration, swapped
+
+
+def test_auto_swaps_the_fewest_blocks_that_fit_with_sd_scripts_offloader(sd_scripts: Path) -> None:
+    """Nothing fits with all six layers resident: auto climbs sd-scripts' block swap to the fewest
+    swapped that fit (3 of at most 4), through enable_block_swap as the trainers call it; only
+    the last offloader's backward hooks stay on the layers, and nothing compiles twice."""
+    model, network = _with_lora("lumina2", layers=6)
+    acceleration, swapped = _auto_with_block_swap(model, 1.0)
+    _step(model, network, _lumina_inputs())
+    result = acceleration.stats()["auto_budget"]
+    assert (result["offload_name"], result["offload"], result["fits"]) == ("blocks_to_swap", 3, True)
+    assert model.blocks_to_swap == 3 and set(swapped) <= {0, 1, 2, 3, 4} and 4 in swapped
+    hooks = {key for layer in model.layers for key in layer._backward_hooks}
+    assert hooks == {handle.id for handle in model.offloader_main.remove_handles}
+    _step(model, network, _lumina_inputs())
+    _assert_compiled_cleanly(acceleration.stats())
+
+
 # ---- on a CUDA device: sd-scripts' memory options, bf16 mixed precision ----------------------
 
 BF16_TOLERANCE = 5e-2  # eager and fused kernels round bf16 differently; a wrong graph is off by O(1)
@@ -519,6 +578,26 @@ def test_lumina_on_cuda_with_fp8_base_or_block_swap(sd_scripts: Path, option: st
         model.prepare_block_swap_before_forward()
     stats = _assert_parity(model, network, config, make_inputs, BF16_TOLERANCE).stats()
     assert stats["eager_nonresident_calls"] == 0
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_auto_block_swap_on_cuda_trains_as_eager(sd_scripts: Path) -> None:
+    """After auto swapped three of six layers (sd-scripts' ModelOffloader on CUDA), LoRA's loss
+    and gradients equal an eager step's; a no-grad forward (sampling) in between changes nothing."""
+    model, network, make_inputs = _cuda("lumina2", layers=6)
+    inputs = [make_inputs() for _ in range(2)]
+    expected = [_step(model, network, x) for x in inputs]
+    acceleration, _ = _auto_with_block_swap(model, 1.0)
+    _step(model, network, inputs[0])  # calibrates
+    assert model.blocks_to_swap == 3
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        model(*inputs[0])
+    for x, (expected_loss, expected_grads) in zip(inputs, expected, strict=True):
+        loss, grads = _step(model, network, x)
+        assert relative_error(loss, expected_loss) < BF16_TOLERANCE
+        assert all(relative_error(g, e) < BF16_TOLERANCE for g, e in zip(grads, expected_grads, strict=True))
+    _assert_compiled_cleanly(acceleration.stats())
 
 
 @CONFIGS
