@@ -4,7 +4,7 @@
     python -m compile_accel.integrations.sd_scripts [--sd-scripts DIR] lumina_train_network.py ARGS...
     accelerate launch -m compile_accel.integrations.sd_scripts [--sd-scripts DIR] lumina_train_network.py ARGS...
 
-The script runs as `__main__` (runpy) after three functions are wrapped in memory:
+The script runs as `__main__` (runpy) after these functions are wrapped in memory:
 
 - `library.train_util.add_training_arguments`, which every training script calls to build its
   parser: the compile flags are added there (so `--help` lists them), and that parser's
@@ -13,6 +13,8 @@ The script runs as `__main__` (runpy) after three functions are wrapped in memor
   `apply_to` and `enable_gradient_checkpointing` and before the first step (it is where
   sd-scripts' own `--torch_compile` compiles): the first sd-scripts model passed to it is
   accelerated in place before the original prepare runs.
+- `accelerate.Accelerator.backward`, which every trainer calls once per step: after the first
+  one the launcher prints what compiling took (and what `auto` chose); the counters again at exit.
 
 sd-scripts' NextDiT (Lumina 2) multiplies q and k by complex rotary factors in every block;
 its adapter hands the blocks the factors' real view and rotates in real arithmetic
@@ -408,6 +410,7 @@ class Launch:
         self.args: argparse.Namespace | None = None
         self.config: CompileConfig | None = None
         self.acceleration: Acceleration | None = None
+        self._reported_first_step = False
 
     def watch(self, parser: argparse.ArgumentParser) -> None:
         """Check the flags after every parse of `parser` (the command line, then --config_file's)."""
@@ -444,9 +447,27 @@ class Launch:
         if switched:
             _say(
                 f"--activation_memory_budget {self.config.activation_memory_budget} replaces gradient "
-                f"checkpointing of the compiled blocks (switched off on {len(switched)} modules)"
+                f"checkpointing of the compiled blocks: {len(switched)} checkpoint switches (the "
+                f"gradient_checkpointing flags of the model and its blocks) turned off: {', '.join(switched[:4])}"
+                f"{', ...' if len(switched) > 4 else ''}"
             )
         atexit.register(self.report)
+
+    def first_step_done(self) -> None:
+        """Once, after the first backward: what compiling cost, and what auto chose."""
+        if self.acceleration is None or self._reported_first_step:
+            return
+        self._reported_first_step = True
+        stats = self.acceleration.stats()
+        auto = stats.get("auto_budget")
+        chose = ""
+        if auto:
+            offload = f" at {auto['offload_name']} {auto['offload']:g}" if auto["offload_name"] else ""
+            chose = f"; auto chose budget {auto['budget']}{offload}{' (cached)' if auto['cached'] else ''}"
+        _say(
+            f"first step done: {stats['compile_seconds']:.1f} s compiling {stats['unique_graphs']} graphs, "
+            f"{stats['recompiles']} recompiles, {len(stats['fallbacks'])} fallbacks{chose}"
+        )
 
     def report(self) -> None:
         stats = self.acceleration.stats()
@@ -455,7 +476,7 @@ class Launch:
 
 
 def _install_hooks(launch: Launch) -> None:
-    """Wrap add_training_arguments and Accelerator.prepare (see the module docstring)."""
+    """Wrap add_training_arguments, Accelerator.prepare and Accelerator.backward (see the module docstring)."""
     try:
         from library import train_util
     except ImportError as error:
@@ -466,6 +487,7 @@ def _install_hooks(launch: Launch) -> None:
 
     add_training_arguments = train_util.add_training_arguments
     prepare = Accelerator.prepare
+    backward = Accelerator.backward
 
     def add_training_arguments_and_ours(parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
         add_training_arguments(parser, *args, **kwargs)
@@ -478,8 +500,14 @@ def _install_hooks(launch: Launch) -> None:
             launch.accelerate(model, accelerator.device)
         return prepare(accelerator, *args, **kwargs)
 
+    def backward_reported(accelerator: Accelerator, *args: Any, **kwargs: Any) -> Any:
+        result = backward(accelerator, *args, **kwargs)
+        launch.first_step_done()
+        return result
+
     train_util.add_training_arguments = add_training_arguments_and_ours
     Accelerator.prepare = prepare_accelerated
+    Accelerator.backward = backward_reported
 
 
 def _resolve(script: str, sd_scripts: str | None) -> tuple[Path, Path]:

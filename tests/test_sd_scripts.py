@@ -22,6 +22,7 @@ import pytest
 import torch
 from conftest import as_close_as_eager, relative_error
 
+import compile_accel
 from compile_accel import CompileConfig
 from compile_accel.integrations import sd_scripts as accel
 
@@ -117,7 +118,7 @@ def test_launcher_forms_run_the_script_with_the_blocks_compiled(checkout: Path, 
         str(checkout / "train.py"), "--activation_memory_budget", "0.5", "--gradient_checkpointing", form=form
     )
     assert _result(proc) == {"compiled": True, "checkpointing": [False, False]}
-    assert "replaces gradient checkpointing of the compiled blocks (switched off on 2 modules)" in proc.stderr
+    assert "2 checkpoint switches (the gradient_checkpointing flags of the model and its blocks) turned off: " in proc.stderr
 
 
 def test_script_name_resolves_against_sd_scripts_dir(checkout: Path) -> None:
@@ -233,6 +234,17 @@ def test_flags_become_the_compile_config(monkeypatch: pytest.MonkeyPatch) -> Non
     assert accel.config_from_args(_parse()) is None
     monkeypatch.setenv(accel.SELECTIVE_ENV, "1")
     assert accel.config_from_args(_parse()).mode == "selective"
+
+
+def test_the_first_step_reports_compile_time_once(capsys: pytest.CaptureFixture) -> None:
+    model = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+    launch = accel.Launch()
+    launch.first_step_done()  # nothing accelerated: nothing to say
+    launch.acceleration = compile_accel.apply(model, CompileConfig(mode="off"), blocks=[model])
+    launch.first_step_done()
+    launch.first_step_done()
+    lines = [line for line in capsys.readouterr().err.splitlines() if "first step done" in line]
+    assert lines == ["compile_accel: first step done: 0.0 s compiling 0 graphs, 0 recompiles, 0 fallbacks"]
 
 
 def test_no_compiler_stops_a_budget_and_lets_selective_train_eager() -> None:
