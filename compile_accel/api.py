@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -20,6 +21,7 @@ from .selective import is_excluded, region_specs
 from .stats import Stats, warn
 
 _MARK = "_compile_accel"
+logger = logging.getLogger("compile_accel")
 
 
 @dataclasses.dataclass
@@ -138,8 +140,42 @@ def apply(
 
     Call it after LoRA/adapters are applied and before the first training step. It changes
     no parameter and no state-dict key. A second call on the same model raises; call
-    `restore()` first. Bad input raises before anything is changed.
+    `restore()` first. Bad input raises before anything is changed. A model a shipped
+    integration knows (a diffusers transformer of `integrations.diffusers.ADAPTERS`, an
+    sd-scripts model of `integrations.sd_scripts.FAMILIES`) gets that integration's adapter,
+    as its own `apply` gives it, and the log says so; `blocks` given, or any other model,
+    compiles as asked.
     """
+    integration = _integration_for(model) if blocks is None else None
+    if integration is not None:
+        name, integration_apply = integration
+        logger.info("apply: %s is known to the %s integration; applying its adapter", type(model).__name__, name)
+        return integration_apply(model, config)
+    return apply_blocks(model, config, blocks)
+
+
+def _integration_for(model: Any) -> tuple[str, Callable[[nn.Module, CompileConfig | None], Acceleration]] | None:
+    """(name, apply) of the shipped integration that knows this model's class, or None."""
+    module = type(model).__module__
+    if module.startswith("diffusers."):
+        from .integrations import diffusers
+
+        if type(model).__name__ in diffusers.ADAPTERS:
+            return "diffusers", diffusers.apply
+    if module.startswith("library."):
+        from .integrations import sd_scripts
+
+        if type(model).__name__ in sd_scripts.FAMILIES:
+            return "sd-scripts", sd_scripts.apply
+    return None
+
+
+def apply_blocks(
+    model: nn.Module,
+    config: CompileConfig | None = None,
+    blocks: Sequence[str | nn.ModuleList] | None = None,
+) -> Acceleration:
+    """`apply` without looking for an integration: the blocks given, or the repeated blocks found."""
     config = _checked_config(config)
     _check_model(model)
     if config.mode != "off":
@@ -243,7 +279,7 @@ def apply_prepared(
     _check_model(model)  # before the rewrite: a second apply must not touch the first one's
     undo = prepare(model) if prepare and config.mode != "off" else None
     try:
-        acceleration = apply(model, config, blocks)
+        acceleration = apply_blocks(model, config, blocks)
     except Exception:
         if undo:
             undo()

@@ -3,6 +3,8 @@ graph per block class, and restore()."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -19,6 +21,7 @@ from diffusers.models import embeddings
 from diffusers.models.transformers import transformer_lumina2, transformer_qwenimage
 from peft import LoraConfig
 
+import compile_accel
 from compile_accel import CompileConfig
 from compile_accel.integrations import diffusers as accel_diffusers
 from compile_accel.rotary import real_table, rotate_interleaved
@@ -113,6 +116,21 @@ def test_lumina2_restore_undoes_the_rotary_rewrite() -> None:
     assert transformer_lumina2.apply_rotary_emb is before
     assert "forward" not in model.rope_embedder.__dict__
     assert torch.equal(_step(model, params, inputs)[0], expected_loss)
+
+
+def test_compile_accel_apply_gives_a_known_model_its_integrations_adapter(caplog: pytest.LogCaptureFixture) -> None:
+    """compile_accel.apply on diffusers' Lumina 2 compiles what the diffusers integration does
+    (its blocks, with the real-arithmetic rotary), and says so; blocks given keep the plain path."""
+    model, _, _ = _lumina2()
+    with caplog.at_level(logging.INFO, logger="compile_accel"):
+        acceleration = compile_accel.apply(model, CompileConfig(mode="blocks"))
+    assert "Lumina2Transformer2DModel is known to the diffusers integration" in caplog.text
+    assert sorted(b.path for b in acceleration.block_lists) == ["context_refiner", "layers", "noise_refiner"]
+    assert transformer_lumina2.apply_rotary_emb is not embeddings.apply_rotary_emb  # the adapter's rewrite
+    acceleration.restore()
+    explicit = compile_accel.apply(model, CompileConfig(mode="blocks"), blocks=["layers"])
+    assert [b.path for b in explicit.block_lists] == ["layers"] and "forward" not in model.rope_embedder.__dict__
+    explicit.restore()
 
 
 def test_mode_off_leaves_lumina2_untouched() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import subprocess
@@ -234,6 +235,18 @@ def test_flags_become_the_compile_config(monkeypatch: pytest.MonkeyPatch) -> Non
     assert accel.config_from_args(_parse()) is None
     monkeypatch.setenv(accel.SELECTIVE_ENV, "1")
     assert accel.config_from_args(_parse()).mode == "selective"
+
+
+def test_compile_accel_apply_uses_the_family_of_a_known_sd_scripts_model(caplog: pytest.LogCaptureFixture) -> None:
+    """A class sd-scripts' library defines and the integration lists gets its family's blocks
+    through compile_accel.apply too (here only joint_blocks, not the look-alike list beside it)."""
+    mmdit = type("MMDiT", (torch.nn.Module,), {"__module__": "library.sd3_models"})()
+    mmdit.joint_blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+    mmdit.other_blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+    with caplog.at_level(logging.INFO, logger="compile_accel"):
+        acceleration = compile_accel.apply(mmdit, CompileConfig(mode="off"))
+    assert "MMDiT is known to the sd-scripts integration" in caplog.text
+    assert [b.path for b in acceleration.block_lists] == ["joint_blocks"]
 
 
 def test_the_first_step_reports_compile_time_once(capsys: pytest.CaptureFixture) -> None:
