@@ -231,7 +231,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
         help="image resolution in pixels, a multiple of 16 (default: the model's)",
     )
     parser.add_argument(
-        "--vram-limit-gib", type=float, help="memory limit for the blocks+auto mode (default: free GPU memory)"
+        "--vram-limit-gib", type=_gib, help="memory limit for the blocks+auto mode (default: free GPU memory)"
     )
     parser.add_argument(
         "--compile-cache",

@@ -9,6 +9,10 @@ MODES = ("off", "selective", "blocks")
 INDUCTOR_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass
 class CompileConfig:
     """How `compile_accel.apply` accelerates a model.
@@ -60,7 +64,7 @@ class CompileConfig:
                     f"CompileConfig.activation_memory_budget='auto' applies to mode='blocks' only (got mode={self.mode!r})"
                 )
         elif budget is not None:
-            if isinstance(budget, bool) or not isinstance(budget, (int, float)) or math.isnan(budget):
+            if not _is_number(budget) or math.isnan(budget):
                 raise ValueError(
                     f"CompileConfig.activation_memory_budget must be a number in [0.0, 1.0], 'auto' or None, got {budget!r}"
                 )
@@ -73,11 +77,14 @@ class CompileConfig:
                     "that discards what the partitioner would save"
                 )
         limit = self.vram_limit_gib
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0):
-            raise ValueError(f"CompileConfig.vram_limit_gib must be a positive number of GiB or None, got {limit!r}")
+        if limit is not None and not (_is_number(limit) and math.isfinite(limit) and limit > 0):
+            raise ValueError(
+                f"CompileConfig.vram_limit_gib must be a positive number of GiB (finite) or None, got {limit!r}"
+            )
         if limit is not None and budget != "auto":
             raise ValueError("CompileConfig.vram_limit_gib applies to activation_memory_budget='auto' only")
-        if self.dynamic not in (None, True, False):
+        # Flags are bools, not ints: 1 == True would pass a membership test and reach torch.compile.
+        if self.dynamic is not None and not isinstance(self.dynamic, bool):
             raise ValueError(f"CompileConfig.dynamic must be None, True or False, got {self.dynamic!r}")
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"CompileConfig.backend must be a backend name, got {self.backend!r}")

@@ -75,6 +75,10 @@ def test_bench_refuses_memory_options_that_cannot_apply(capsys, no_mode_runs, fl
         ("--vram-cap-gib", "inf", "a finite number of GiB > 0"),
         ("--vram-cap-gib", "24GB", "a finite number of GiB > 0"),
         ("--blocks-to-swap", "0", "a whole number >= 1"),
+        ("--vram-limit-gib", "-1", "a finite number of GiB > 0"),
+        ("--vram-limit-gib", "0", "a finite number of GiB > 0"),
+        ("--vram-limit-gib", "nan", "a finite number of GiB > 0"),
+        ("--vram-limit-gib", "inf", "a finite number of GiB > 0"),
     ],
 )
 def test_bench_refuses_bad_option_values(capsys, no_mode_runs, flag: str, value: str, wanted: str) -> None:

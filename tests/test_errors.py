@@ -31,6 +31,13 @@ BAD_CONFIGS = [
     (dict(mode="blocks", exclude="*.rope"), "exclude must be a list"),
     (dict(mode="blocks", exclude=None), "exclude must be a list"),
     (dict(mode="blocks", backend="no_such_backend"), "is not a torch.compile backend"),
+    # 1 == True: an int passed a membership test, then torch.compile asserted.
+    (dict(mode="blocks", dynamic=1), "dynamic must be None, True or False"),
+    (dict(mode="blocks", dynamic=0), "dynamic must be None, True or False"),
+    (dict(mode="blocks", fullgraph=1), "fullgraph must be True or False"),
+    (dict(mode="blocks", activation_memory_budget="auto", vram_limit_gib=float("inf")), "vram_limit_gib must be a"),
+    (dict(mode="blocks", activation_memory_budget="auto", vram_limit_gib=float("nan")), "vram_limit_gib must be a"),
+    (dict(mode="blocks", activation_memory_budget="auto", vram_limit_gib=0), "vram_limit_gib must be a"),
 ]
 
 
