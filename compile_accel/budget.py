@@ -103,9 +103,9 @@ class RegionBackend:
     """torch.compile backend for one compiled function (shared by all its regions).
 
     Per graph it: refuses complex-dtype graphs (inductor has no code generation for complex
-    ops), notes a checkpoint still inside a budgeted block, counts the graph and whether it
-    is a recompile, rewrites its attention calls (compile_accel.attention), and compiles with the
-    budget patched in.
+    ops), notes a checkpoint still inside a budgeted block, rewrites its attention calls
+    (compile_accel.attention), compiles with the budget patched in, and once that succeeded
+    counts the graph and whether it is a recompile.
     """
 
     def __init__(self, config: CompileConfig, budget: float | None, stats: Stats) -> None:
@@ -124,7 +124,7 @@ class RegionBackend:
             )
         if self.budget is not None and _has_checkpoint(gm):
             self.saw_checkpoint = True
-        self.stats.record_graph(_signature(gm))
+        signature = _signature(gm)
         rewrite_attention(gm)
         budget = (
             torch._functorch.config.patch(activation_memory_budget=self.budget)
@@ -132,4 +132,8 @@ class RegionBackend:
             else contextlib.nullcontext()
         )
         with budget:
-            return _flagging(self.inner(gm, example_inputs))
+            compiled = _flagging(self.inner(gm, example_inputs))
+        # Counted once compiled: a compile that raised (or a Ctrl-C) made no graph, and the
+        # retry of the same graph is no recompile.
+        self.stats.record_graph(signature)
+        return compiled

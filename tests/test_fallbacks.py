@@ -1,10 +1,12 @@
 """Regions that cannot compile run eager with a warning; recompile limits are loud and apply
-in every thread."""
+in every thread; an interrupted compile counts no graph."""
 
 from __future__ import annotations
 
 import threading
 import warnings
+
+from typing import Callable
 
 import pytest
 import torch
@@ -248,3 +250,32 @@ def test_a_wrong_call_raises_its_own_error_and_leaves_compiling_on() -> None:
     torch.testing.assert_close(model(x), expected)
     stats = acceleration.stats()
     assert stats["fallbacks"] == [] and stats["compiled_regions"] == 3 and stats["unique_graphs"] >= 1
+
+
+class _InterruptedOnce:
+    """A backend whose first compile is stopped by Ctrl-C; later compiles run the graph as traced."""
+
+    def __init__(self) -> None:
+        self.interrupted = False
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        if not self.interrupted:
+            self.interrupted = True
+            raise KeyboardInterrupt
+        return gm.forward
+
+
+torch._dynamo.register_backend(_InterruptedOnce(), name="compile_accel_test_interrupted_once")
+
+
+def test_a_compile_interrupted_by_ctrl_c_is_not_a_recompile_when_retried() -> None:
+    model = _Stack([nn.Linear(8, 8) for _ in range(2)])
+    x = torch.randn(4, 8)
+    expected = model(x)
+    config = CompileConfig(mode="blocks", backend="compile_accel_test_interrupted_once")
+    acceleration = compile_accel.apply(model, config)
+    with pytest.raises(KeyboardInterrupt):
+        model(x)
+    torch.testing.assert_close(model(x), expected)
+    stats = acceleration.stats()
+    assert (stats["unique_graphs"], stats["recompiles"], stats["fallbacks"]) == (1, 0, [])
