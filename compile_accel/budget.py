@@ -1,14 +1,29 @@
-"""The backend every region compiles through, and the activation memory budget it applies.
+"""The backend every region compiles through, and the AOTAutograd settings it compiles with.
 
 `torch._functorch.config.activation_memory_budget` is read by the min-cut partitioner while a
 graph is compiled. Patching it around a region's first call only holds until that region
 recompiles (a new shape, a new bucket); the backend below applies it inside every compile
 of the region instead, so the budget is part of that region and nothing global changes.
+
+The same patch makes AOTAutograd compile a training graph's backward together with its
+forward (`force_non_lazy_backward_lowering`), as torch itself does for a graph that saves
+symbolic sizes. By default the backward is compiled lazily, at the first backward: an error
+there reaches the user's `loss.backward()`, on that step and every later one, and nothing can
+run the region eager instead (its forward has already run compiled). Compiled with the forward,
+the error is a compile error of the region's call like any other, which the region answers by
+running that call eager and falling back for good (compile_accel.regions): the step's gradients
+are eager's. The alternative, an autograd.Function around every compiled call that re-runs the
+block eagerly when the compiled backward raises, would put a nested backward (as in reentrant
+checkpointing) under every block, in the way of DDP's hooks, checkpoints and the offload
+conductor's saved-tensor hooks. The costs: the backward compiles in the first forward with
+grad, even when no backward follows; and where inductor donates saved tensors to the backward,
+`backward(retain_graph=True)` raises torch's donated-buffer error from the first backward on
+(compiled lazily, from the second; `torch._functorch.config.donated_buffer = False` allows it).
+A torch without the knob keeps the lazy compile.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from typing import Any, Callable
 
@@ -19,6 +34,7 @@ import torch.utils._pytree as pytree
 
 from .attention import rewrite_attention
 from .config import CompileConfig
+from .dynamo_settings import HAS_EAGER_BACKWARD_KNOB
 from .stats import Stats
 
 
@@ -104,8 +120,8 @@ class RegionBackend:
 
     Per graph it: refuses complex-dtype graphs (inductor has no code generation for complex
     ops), notes a checkpoint still inside a budgeted block, rewrites its attention calls
-    (compile_accel.attention), compiles with the budget patched in, and once that succeeded
-    counts the graph and whether it is a recompile.
+    (compile_accel.attention), compiles with the budget and an eager backward compile patched
+    in, and once that succeeded counts the graph and whether it is a recompile.
     """
 
     def __init__(self, config: CompileConfig, budget: float | None, stats: Stats) -> None:
@@ -113,6 +129,11 @@ class RegionBackend:
         self.budget = budget
         self.stats = stats
         self.saw_checkpoint = False
+        self._aot_settings: dict[str, Any] = {}  # patched around every compile (module docstring)
+        if budget is not None:
+            self._aot_settings["activation_memory_budget"] = budget
+        if HAS_EAGER_BACKWARD_KNOB:
+            self._aot_settings["force_non_lazy_backward_lowering"] = True
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         op = _complex_op(gm)
@@ -126,12 +147,7 @@ class RegionBackend:
             self.saw_checkpoint = True
         signature = _signature(gm)
         rewrite_attention(gm)
-        budget = (
-            torch._functorch.config.patch(activation_memory_budget=self.budget)
-            if self.budget is not None
-            else contextlib.nullcontext()
-        )
-        with budget:
+        with torch._functorch.config.patch(self._aot_settings):
             compiled = _flagging(self.inner(gm, example_inputs))
         # Counted once compiled: a compile that raised (or a Ctrl-C) made no graph, and the
         # retry of the same graph is no recompile.

@@ -66,6 +66,10 @@ def doctor(args: argparse.Namespace) -> int:
         f"recompile_limit= {'yes' if ds.COMPILE_TAKES_RECOMPILE_LIMIT else 'no'} (torch.compile(recompile_limit=...))"
     )
     print(f"cache artifacts  {'yes' if ds.HAS_CACHE_ARTIFACTS else 'no'} (torch.compiler.save_cache_artifacts)")
+    print(
+        f"eager backward   {'yes' if ds.HAS_EAGER_BACKWARD_KNOB else 'no'} "
+        "(backward graphs compile with the forward: a compile error there falls back to eager)"
+    )
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     print(f"cache directory  {cache_dir()}")

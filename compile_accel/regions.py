@@ -9,7 +9,8 @@ and input shape, not one compile per instance.
 
 The dispatcher runs the region eager when its parameters are not on the device of its
 inputs (an offload conductor has it in host memory), or when the shared function could
-not be compiled.
+not be compiled for the region's class (its forward or backward graph raised in the compile,
+or dynamo compiled no graph).
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ class CompiledFunction:
         self.recompile_limit = config.recompile_limit
         self.regions: list[str] = []
         self.region_kinds: dict[str, type] = {}  # region name -> its module's class
-        self.failure: str | None = None  # the compile raised: every region runs eager
-        self.failed_kinds: dict[type, str] = {}  # dynamo compiled no graph for this class: eager
+        # Classes whose compile raised or made no graph: their regions run eager. A class, not the
+        # function: classes that share a forward (a checkpoint mixin's) have graphs of their own.
+        self.failed_kinds: dict[type, str] = {}
         # (module class, grad mode) pairs dynamo has compiled a graph for. The first call in a new
         # pair is checked for compiling none; dynamo guards both, so that call must compile one.
         self.compiled_contexts: set[tuple[type, bool]] = set()
@@ -80,14 +82,11 @@ class CompiledFunction:
     def name(self) -> str:
         return getattr(self.fn, "__qualname__", repr(self.fn))
 
-    def fail(self, reason: str, kind: type | None = None) -> None:
-        """Every region of this function (of class `kind` only, if given) runs eager from now
-        on; one warning says so."""
-        if kind is None:
-            self.failure = reason
-        else:
-            self.failed_kinds[kind] = reason
-        regions = [r for r in self.regions if kind is None or self.region_kinds[r] is kind]
+    def fail(self, reason: str, kind: type) -> None:
+        """Every region of this function and class `kind` runs eager from now on; one warning
+        says so."""
+        self.failed_kinds[kind] = reason
+        regions = [r for r in self.regions if self.region_kinds[r] is kind]
         self.stats.fallbacks.extend((region, reason) for region in regions)
         warn(
             f"{self.name} (regions {', '.join(regions[:3])}{', ...' if len(regions) > 3 else ''}) "
@@ -299,7 +298,7 @@ class Region:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
         shared = self.shared
-        if shared.failure is not None or type(self.module) in shared.failed_kinds:
+        if type(self.module) in shared.failed_kinds:
             return self.eager(*args, **kwargs)
         if not self._resident(_tensors(args, kwargs)):
             shared.stats.eager_nonresident_calls += 1
@@ -326,9 +325,10 @@ class Region:
             return self.eager(*args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as error:
             # A call that is wrong in itself (a bad input shape) raises eager too, with the real
-            # error, and compiling stays on.
+            # error, and compiling stays on. The compile includes the backward graph's
+            # (compile_accel.budget): this eager call gives the step eager's gradients.
             out = self.eager(*args, **kwargs)
-            shared.fail(_failure_reason(error))
+            shared.fail(_failure_reason(error), type(self.module))
             return out
         if any(alias._version != version for alias, version in aliased_views):
             raise RuntimeError(
@@ -348,5 +348,5 @@ class Region:
         elif break_reasons is not None and not torch.compiler.is_compiling():
             # Dynamo ran the whole forward eager: typically a graph break inside a checkpoint,
             # which makes dynamo run the entire checkpointed call eager.
-            shared.fail(_no_graph_reason(break_reasons), kind=type(self.module))
+            shared.fail(_no_graph_reason(break_reasons), type(self.module))
         return out

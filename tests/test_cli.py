@@ -20,7 +20,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 def test_doctor_reports_a_usable_setup() -> None:
     proc = _cli("doctor")
     assert proc.returncode == 0, proc.stderr
-    assert "budget knob      yes" in proc.stdout
+    assert "budget knob      yes" in proc.stdout and "eager backward   yes" in proc.stdout
     assert proc.stdout.strip().endswith("usable")
 
 

@@ -1,8 +1,9 @@
-"""Regions that cannot compile run eager with a warning; recompile limits are loud and apply
-in every thread; an interrupted compile counts no graph."""
+"""Regions that cannot compile (forward or backward graph) run eager with a warning; recompile
+limits are loud and apply in every thread; an interrupted compile counts no graph."""
 
 from __future__ import annotations
 
+import copy
 import threading
 import warnings
 
@@ -12,12 +13,13 @@ import pytest
 import torch
 import torch.nn as nn
 from conftest import build, inputs_for, lora_step, relative_error
+from torch._dynamo.backends.common import aot_autograd
 
 import compile_accel
 from compile_accel import CompileConfig
 
 
-def test_complex_rope_region_falls_back_with_one_warning() -> None:
+def test_complex_rope_regions_fall_back_with_one_warning_per_block_class() -> None:
     model, params = build("kohya", None, rope="complex")
     inputs = inputs_for(model)
     expected_loss, expected_grads = lora_step(model, params, inputs)
@@ -26,8 +28,9 @@ def test_complex_rope_region_falls_back_with_one_warning() -> None:
         warnings.simplefilter("always")
         for _ in range(2):
             loss, grads = lora_step(model, params, inputs)
-    ours = [w for w in caught if "compile_accel" in str(w.message)]
-    assert len(ours) == 1 and "complex" in str(ours[0].message) and "double_blocks.0" in str(ours[0].message)
+    ours = [str(w.message) for w in caught if "compile_accel" in str(w.message)]
+    assert len(ours) == 2 and all("complex" in message for message in ours)
+    assert "double_blocks.0" in ours[0] and "single_blocks.0" in ours[1]
     stats = acceleration.stats()
     assert {f["region"] for f in stats["fallbacks"]} == {
         "double_blocks.0",
@@ -250,6 +253,54 @@ def test_a_wrong_call_raises_its_own_error_and_leaves_compiling_on() -> None:
     torch.testing.assert_close(model(x), expected)
     stats = acceleration.stats()
     assert stats["fallbacks"] == [] and stats["compiled_regions"] == 3 and stats["unique_graphs"] >= 1
+
+
+def _backward_compiler_failing_at_width_16(gm: torch.fx.GraphModule, example_inputs: list) -> torch.fx.GraphModule:
+    if any(16 in value.shape for value in example_inputs):
+        raise RuntimeError("injected backward compile failure")
+    return gm
+
+
+# Forward graphs and backward graphs without a 16-wide tensor compile (run as traced).
+torch._dynamo.register_backend(
+    aot_autograd(fw_compiler=lambda gm, example_inputs: gm, bw_compiler=_backward_compiler_failing_at_width_16),
+    name="compile_accel_test_failing_backward",
+)
+
+
+class _Widening(nn.Linear):
+    """Another block class with nn.Linear's forward: one compiled function serves both classes."""
+
+
+def _parameter_grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """Every parameter gradient of one step (cleared afterwards)."""
+    model(x).square().mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def test_block_class_whose_backward_graph_fails_to_compile_runs_eager_and_training_goes_on() -> None:
+    """AOTAutograd compiles a backward lazily, at the first backward, where its error would reach
+    loss.backward() on every step. It must be a fallback like a forward's, for that class only,
+    with eager's gradients on the step it happened."""
+    model = _Stack([nn.Linear(8, 8), nn.Linear(8, 8), _Widening(8, 16)])
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    expected = _parameter_grads(reference, x)
+    config = CompileConfig(mode="blocks", backend="compile_accel_test_failing_backward")
+    acceleration = compile_accel.apply(model, config, blocks=["blocks"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        steps = [_parameter_grads(model, x) for _ in range(2)]
+    ours = [str(w.message) for w in caught if "compile_accel" in str(w.message)]
+    assert len(ours) == 1 and "blocks.2" in ours[0] and "injected backward compile failure" in ours[0]
+    stats = acceleration.stats()
+    assert [f["region"] for f in stats["fallbacks"]] == ["blocks.2"] and stats["compiled_regions"] == 2
+    for grads in steps:
+        assert all(torch.equal(g, e) for g, e in zip(grads, expected, strict=True))
+    for ours_, theirs in zip(model.state_dict().values(), reference.state_dict().values(), strict=True):
+        assert torch.equal(ours_, theirs)
 
 
 class _InterruptedOnce:
