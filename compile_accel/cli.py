@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import shutil
@@ -30,6 +31,23 @@ def _check_compile(device: str) -> str | None:
     return None
 
 
+def triton_status() -> tuple[str, str | None]:
+    """(doctor's triton version text, the problem or None). On Windows the `triton` module comes
+    from the triton-windows distribution, whose version (e.g. 3.3.1.post19) the module's own
+    `__version__` lacks; the text names that build."""
+    import torch
+
+    try:
+        import triton
+    except ImportError:
+        wheel = "triton-windows" if sys.platform == "win32" else "triton"
+        problem = f"triton is missing: inductor cannot generate GPU kernels (pip install {wheel})"
+        return "not installed", problem if torch.cuda.is_available() else None
+    if "triton-windows" in importlib.metadata.packages_distributions().get("triton", []):
+        return f"{importlib.metadata.version('triton-windows')} (triton-windows, the Windows build)", None
+    return triton.__version__, None
+
+
 def doctor(args: argparse.Namespace) -> int:
     import torch
 
@@ -37,14 +55,10 @@ def doctor(args: argparse.Namespace) -> int:
 
     problems = []
     print(f"torch            {torch.__version__}")
-    try:
-        import triton
-
-        print(f"triton           {triton.__version__}")
-    except ImportError:
-        print("triton           not installed")
-        if torch.cuda.is_available():
-            problems.append("triton is missing: inductor cannot generate GPU kernels (pip install triton)")
+    triton_version, problem = triton_status()
+    print(f"triton           {triton_version}")
+    if problem:
+        problems.append(problem)
     cxx, missing = ds.cpp_compiler()
     print(f"C++ compiler     {shutil.which(cxx) or cxx if cxx else 'not found'}")
     if missing:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+from compile_accel import cli
 from compile_accel.benchmarks.runner import BenchSettings, gpu_time_table, kernel_kind, parse_mode, run_mode
 
 
@@ -34,6 +37,43 @@ def test_doctor_names_a_missing_compiler_from_cxx() -> None:
     assert proc.returncode == 1
     assert "C++ compiler     not found" in proc.stdout
     assert "no C++ compiler" in proc.stderr and "/nonexistent/g++" in proc.stderr
+
+
+def _install_fake_triton(site: Path, distribution: str, version: str, module_version: str) -> None:
+    """A `triton` module provided by the wheel `distribution` (metadata as pip writes it), in `site`."""
+    (site / "triton").mkdir()
+    (site / "triton" / "__init__.py").write_text(f"__version__ = {module_version!r}\n")
+    info = site / f"{distribution.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: {version}\n")
+    (info / "RECORD").write_text(f"triton/__init__.py,,\n{info.name}/METADATA,,\n{info.name}/RECORD,,\n")
+
+
+@pytest.mark.parametrize(
+    "distribution, version, reported",
+    [
+        ("triton-windows", "3.3.1.post19", "3.3.1.post19 (triton-windows, the Windows build)"),
+        ("triton", "3.3.1", "3.3.1"),
+    ],
+)
+def test_doctor_names_the_distribution_that_provides_triton(
+    tmp_path, monkeypatch, distribution: str, version: str, reported: str
+) -> None:
+    """triton-windows installs the `triton` module, whose own version string lacks the build's."""
+    module_version = version if distribution == "triton" else "3.3.0"  # triton-windows: not its wheel's version
+    _install_fake_triton(tmp_path, distribution, version, module_version)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "triton", raising=False)
+    importlib.invalidate_caches()
+    assert cli.triton_status() == (reported, None)
+
+
+def test_doctor_asks_windows_users_for_triton_windows(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(sys, "platform", "win32")
+    version, problem = cli.triton_status()
+    assert version == "not installed" and "(pip install triton-windows)" in problem
 
 
 def test_bench_runs_each_mode_and_writes_json(tmp_path) -> None:
