@@ -63,7 +63,8 @@ def test_doctor_names_the_distribution_that_provides_triton(
     module_version = version if distribution == "triton" else "3.3.0"  # triton-windows: not its wheel's version
     _install_fake_triton(tmp_path, distribution, version, module_version)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "triton", raising=False)
+    monkeypatch.setitem(sys.modules, "triton", None)  # its undo removes the fake (inductor would import it)
+    del sys.modules["triton"]
     importlib.invalidate_caches()
     assert cli.triton_status() == (reported, None)
 
