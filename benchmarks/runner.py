@@ -582,6 +582,8 @@ def _run_child(mode: str, settings: BenchSettings, env: dict[str, str]) -> dict[
     processes = parse_mode(mode).ddp
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"] if processes > 1 else []
     cmd = [sys.executable, *launcher, "-m", "compile_accel.benchmarks.runner", "--mode", mode, *settings.flags()]
+    if processes > 1 and sys.platform == "win32":
+        env = {**env, "USE_LIBUV": "0"}  # torchrun's store needs libuv, which Windows builds lack
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"mode {mode} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -605,7 +607,8 @@ def run_ab(
             f"{settings.warmup} + {settings.steps} steps on {settings.device} ..."
         )
         start = time.perf_counter()
-        with tempfile.TemporaryDirectory(prefix="compile_accel_bench_") as cache:
+        # A scanner holding a cache file on Windows must not lose the whole A/B at cleanup.
+        with tempfile.TemporaryDirectory(prefix="compile_accel_bench_", ignore_cleanup_errors=True) as cache:
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache} if warm else os.environ.copy()
             result = _run_child(mode, settings, env)
             if warm and "oom" not in result:
@@ -784,7 +787,8 @@ def main(argv: list[str] | None = None) -> None:
     if world > 1:
         if args.device == "cuda":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        # Windows builds of torch have no NCCL.
+        dist.init_process_group("nccl" if args.device == "cuda" and dist.is_nccl_available() else "gloo")
     try:
         result = asdict(run_mode(spec, settings))
     except Exception as error:  # an OOM anywhere (building, compiling, a step) is a row; anything else fails the A/B

@@ -203,15 +203,29 @@ def _valid_entry(entry: Any, ladder: OffloadLadder | None) -> bool:
 
 def _write_cache(key: str, entry: dict[str, Any]) -> None:
     path = cache_path()
+    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         cache = _read_cache()
         cache[key] = entry
-        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         partial.write_text(json.dumps(cache, indent=1))
-        os.replace(partial, path)  # another run reading it never sees half a file
+        _replace(partial, path)  # another run reading it never sees half a file
     except OSError as error:
+        partial.unlink(missing_ok=True)
         warn(f"could not write the auto budget cache {path}: {error}")
+
+
+def _replace(partial: Path, path: Path, tries: int = 5) -> None:
+    """os.replace, retried: Windows refuses it while another process (a run reading the cache,
+    a virus scanner) has `path` open."""
+    for attempt in range(tries):
+        try:
+            os.replace(partial, path)
+            return
+        except PermissionError:
+            if attempt == tries - 1:
+                raise
+            time.sleep(0.05 * 2**attempt)
 
 
 def _measure(run: Callable[[], None], device: torch.device, parameters: list[torch.Tensor]) -> tuple[float, int]:

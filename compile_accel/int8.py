@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -136,7 +137,7 @@ def _dequantize_kernel():
     except ImportError:
         warn(
             "Triton is not installed: int8 weights are dequantized with torch ops, one matrix at a time, "
-            "which is much slower (pip install triton)"
+            f"which is much slower (pip install {'triton-windows' if sys.platform == 'win32' else 'triton'})"
         )
         return None
 
