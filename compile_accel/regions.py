@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import time
 from typing import Any, Callable
 
@@ -29,6 +30,8 @@ from .config import CompileConfig
 from .dynamo_settings import COMPILE_TAKES_RECOMPILE_LIMIT, ensure_thread_settings
 from .selective import RegionSpec
 from .stats import RECOMPILE_LIMIT_WATCHER, Stats, graph_break_total, warn
+
+logger = logging.getLogger("compile_accel")
 
 
 def _split_method(forward: Callable) -> tuple[Callable, Any]:
@@ -315,6 +318,8 @@ class Region:
         context = (type(self.module), torch.is_grad_enabled())
         new_context = context not in shared.compiled_contexts
         break_reasons = dict(torch._dynamo.utils.counters["graph_break"]) if new_context else None
+        if new_context:  # the first compile of a block class takes seconds to minutes: say so
+            logger.info("compiling %s (%s) ...", context[0].__name__, "training" if context[1] else "no grad")
         try:
             if self.owner is None:
                 out = shared.compiled(*args, **kwargs)
@@ -341,6 +346,8 @@ class Region:
             stats.compile_seconds += time.perf_counter() - start
             stats.graph_breaks += new_breaks
         if stats.graphs != graphs:
+            if new_context:
+                logger.info("compiled %s in %.1f s", context[0].__name__, time.perf_counter() - start)
             shared.compiled_contexts.add(context)
             if shared.backend.saw_checkpoint:
                 shared.backend.saw_checkpoint = False

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from conftest import build, inputs_for, lora_step
@@ -163,3 +165,26 @@ def test_expanded_boolean_mask_becomes_an_additive_mask_made_before_the_expand()
     torch.testing.assert_close(out, expected)
     for grad, want in zip(torch.autograd.grad(out.square().sum(), (q, k, v)), expected_grads):
         torch.testing.assert_close(grad, want)
+
+
+class _MLPBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+def test_the_first_compile_of_each_block_class_is_logged_with_its_seconds(caplog: pytest.LogCaptureFixture) -> None:
+    """A block class's first compile (seconds to minutes on a real model) is announced and timed
+    once; the next blocks and steps reuse the graph and log nothing."""
+    blocks = torch.nn.ModuleList([_MLPBlock(), _MLPBlock()])
+    compile_accel.apply(blocks, CompileConfig(mode="blocks", backend="eager"), blocks=[blocks])
+    x = torch.randn(2, 8, requires_grad=True)
+    with caplog.at_level("INFO", logger="compile_accel"):
+        for _ in range(2):
+            blocks[1](blocks[0](x)).sum().backward()
+    lines = [r.getMessage() for r in caplog.records if r.name == "compile_accel"]
+    assert lines[0] == "compiling _MLPBlock (training) ..."
+    assert len(lines) == 2 and re.fullmatch(r"compiled _MLPBlock in \d+\.\d s", lines[1])
