@@ -1,0 +1,192 @@
+"""sd-scripts' LoRA trainers, unmodified, end to end on the CPU through the launcher.
+
+flux_train_network.py, sdxl_train_network.py, sd3_train_network.py and lumina_train_network.py
+each train 3 LoRA steps on small random checkpoints (tests/sd_scripts_small_<model>.py shrinks
+the model factories in the training process and writes the workspace), three ways: plain,
+SDSCRIPTS_SELECTIVE_TORCH_COMPILE=1, and --activation_memory_budget 0.5. A compiled run must
+save the LoRA keys, shapes and dtypes of the plain run, see the plain run's loss at every step
+(same seed), and compile every region it made. Needs $SD_SCRIPTS_DIR (a checkout of sd-scripts'
+sd3 branch, with its requirements installed: .ci/e2e builds that environment); skipped without.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+SD_SCRIPTS_DIR = os.environ.get("SD_SCRIPTS_DIR")
+pytestmark = pytest.mark.skipif(not SD_SCRIPTS_DIR, reason="set SD_SCRIPTS_DIR to an sd-scripts checkout")
+
+TRAINERS = ["sdxl", "lumina", "flux", "sd3"]  # the slowest to compile first
+STEPS = 3
+# What the two compiled ways change: an environment variable and a flag of the launcher.
+MODES: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
+    "plain": ({}, ()),
+    "selective": ({"SDSCRIPTS_SELECTIVE_TORCH_COMPILE": "1"}, ()),
+    "budget": ({}, ("--activation_memory_budget", "0.5")),
+}
+# Every trainer: LoRA on the DiT/U-Net only (the text encoders' outputs are cached), fp32 on the
+# CPU, one batch of both images a step, 3 steps.
+COMMON_ARGS = [
+    *("--save_model_as", "safetensors", "--network_dim", "4", "--network_alpha", "4", "--network_train_unet_only"),
+    *("--learning_rate", "1e-2", "--optimizer_type", "AdamW", "--lr_scheduler", "constant"),
+    *("--max_train_steps", str(STEPS), "--mixed_precision", "no", "--gradient_checkpointing", "--seed", "0"),
+    *("--cache_latents", "--cache_text_encoder_outputs", "--max_data_loader_n_workers", "0"),
+]
+# Compiled and eager fp32 kernels round differently (fused reductions, other summation orders):
+# a step's loss differs by a few float32 ulps (up to 3e-7 relative seen), also from the second
+# step on, when the LoRA weights were moved by slightly different gradients. 1e-5 leaves room
+# for that and stays far below what training changes: at this learning rate the second and
+# third steps' losses of each trainer move by 1e-3 to 9e-3 relative against a run that does not
+# train (learning rate 1e-12), so a LoRA update left out or made from a wrong gradient fails.
+LOSS_TOLERANCE = 1e-5
+# The saved LoRA weights, per tensor (relative norm of the difference). Adam scales each
+# gradient element by its own running magnitude, so an element whose gradient is near zero moves
+# by about the learning rate whatever its size, and rounding can flip its sign: up to 1e-3 seen
+# (SDXL). A tensor trained on a wrong gradient, or not trained, is off by about 1.
+WEIGHT_TOLERANCE = 1e-2
+RUN_TIMEOUT = 1200  # seconds for one run (the slowest, SDXL compiled, take a few minutes)
+
+
+@dataclass
+class Run:
+    log: str  # the script's stdout and stderr
+    seconds: float
+    losses: list[float]
+    lora: dict[str, tuple[list[int], str]]  # key: (shape, dtype) in the saved file
+    weights: Path  # the saved file
+
+
+Runs = dict[tuple[str, str], Run | Exception]  # by (trainer, mode): the run, or why it failed
+
+@pytest.fixture(scope="module")
+def sd_scripts() -> Iterator[Path]:
+    pytest.importorskip("tokenizers")
+    sys.path.insert(0, SD_SCRIPTS_DIR)
+    yield Path(SD_SCRIPTS_DIR)
+    sys.path.remove(SD_SCRIPTS_DIR)
+
+
+@pytest.fixture(scope="module")
+def runs(request: pytest.FixtureRequest, sd_scripts: Path, tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    """Every run the selected tests read, made once, as many at a time as there are cores:
+    compiling is mostly one core's work (tracing, one C++ compiler at a time). A run that failed
+    maps to its exception, which the tests that read the run raise."""
+    wanted = _wanted(request.session)
+    workspaces = {}
+    for trainer in dict.fromkeys(trainer for trainer, _ in wanted):
+        harness = importlib.import_module(f"sd_scripts_small_{trainer}")
+        workspaces[trainer] = harness, harness.make_workspace(tmp_path_factory.mktemp(trainer))
+
+    def run(job: tuple[str, str]) -> Run | Exception:
+        try:
+            return _train(sd_scripts, *workspaces[job[0]], job[1])
+        except Exception as failure:  # noqa: BLE001 - reported by the tests that read this run
+            return failure
+
+    with ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:
+        return dict(zip(wanted, pool.map(run, wanted)))
+
+
+def _wanted(session: pytest.Session) -> list[tuple[str, str]]:
+    """(trainer, mode) of the runs this module's selected tests read, the compiled ones first."""
+    wanted = set()
+    for item in session.items:
+        params = getattr(item, "callspec", None) and item.callspec.params
+        if getattr(item, "module", None) is sys.modules[__name__] and params:
+            wanted |= {(params["trainer"], "plain"), (params["trainer"], params.get("mode", "plain"))}
+    return sorted(wanted, key=lambda job: (job[1] == "plain", TRAINERS.index(job[0]), job[1]))
+
+
+def _train(sd_scripts: Path, harness: ModuleType, paths: dict[str, Path], mode: str) -> Run:
+    """The trainer's script, run through its harness and the launcher in a process of its own."""
+    from safetensors import safe_open
+    from sd_scripts_small_common import environment
+
+    env, flags = MODES[mode]
+    out = paths["dataset"].parent / mode
+    out.mkdir()
+    args = [
+        *harness.train_args(paths),
+        *COMMON_ARGS,
+        *("--dataset_config", str(paths["dataset"]), "--output_dir", str(out), "--output_name", "lora"),
+        *flags,
+    ]
+    command = [sys.executable, harness.__file__, "--losses", str(out / "losses"), "--sd-scripts", str(sd_scripts)]
+    # One thread a process: runs share the cores, and OpenMP threads that wait for a busy core
+    # spin (steps of a fraction of a second took seconds with more threads than cores).
+    env = environment(sd_scripts, paths["hub"], OMP_NUM_THREADS="1", **env)
+    start = time.perf_counter()
+    with (out / "log").open("w") as log:
+        proc = subprocess.run(
+            [*command, harness.SCRIPT, *args], cwd=sd_scripts, env=env, stdout=log, stderr=log, timeout=RUN_TIMEOUT
+        )
+    seconds, text = time.perf_counter() - start, (out / "log").read_text()
+    assert proc.returncode == 0, text[-5000:]
+    with safe_open(out / "lora.safetensors", "pt") as file:
+        lora = {k: (file.get_slice(k).get_shape(), file.get_slice(k).get_dtype()) for k in file.keys()}
+    losses = [json.loads(line) for line in (out / "losses").read_text().splitlines()]
+    return Run(text, seconds, losses, lora, out / "lora.safetensors")
+
+
+def _run(runs: Runs, trainer: str, mode: str) -> Run:
+    result = runs[trainer, mode]
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+# The launcher's lines: the regions it made, and at exit what became of them.
+REGIONS = re.compile(r"^compile_accel: \w+ compile of \w+ .*: (\d+) regions$", re.M)
+SUMMARY = re.compile(
+    r"^compile_accel: compiled_regions=(\d+), unique_graphs=\d+, recompiles=(\d+), graph_breaks=(\d+), "
+    r"compile_seconds=[\d.]+, fallbacks=(.*)$",
+    re.M,
+)
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_plain_run_trains_without_compile_accel(runs: Runs, trainer: str) -> None:
+    """The baseline: every step's loss recorded and finite, LoRA saved, nothing compiled."""
+    run = _run(runs, trainer, "plain")
+    print(f"{trainer} plain: {run.seconds:.1f} s, losses {run.losses}")
+    assert len(run.losses) == STEPS and all(math.isfinite(loss) for loss in run.losses)
+    assert run.lora and all(dtype == "F32" for _, dtype in run.lora.values())
+    assert "compile_accel:" not in run.log
+
+
+@pytest.mark.parametrize("mode", ["selective", "budget"])
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_compiled_run_trains_as_plain(runs: Runs, trainer: str, mode: str) -> None:
+    """The plain run's LoRA file layout and, within tolerances, its loss at every step and its
+    saved weights; every region compiled, no graph compiled twice or broken, and none that the
+    model never called (the launcher's exit report and its warning)."""
+    from safetensors.torch import load_file
+
+    plain, run = _run(runs, trainer, "plain"), _run(runs, trainer, mode)
+    assert run.lora == plain.lora and len(run.losses) == STEPS
+    losses = [abs(a - b) / abs(b) for a, b in zip(run.losses, plain.losses)]
+    got, want = load_file(run.weights), load_file(plain.weights)
+    weights = {key: ((got[key] - w).norm() / w.norm().clamp_min(1e-30)).item() for key, w in want.items()}
+    print(f"{trainer} {mode}: {run.seconds:.1f} s, loss differences {losses}, weights {max(weights.values()):.2g}")
+    assert max(losses) <= LOSS_TOLERANCE, (run.losses, plain.losses)
+    assert max(weights.values()) <= WEIGHT_TOLERANCE, weights
+    assert "regions were not called" not in run.log, run.log[-5000:]
+    regions, summary = REGIONS.findall(run.log), SUMMARY.findall(run.log)
+    assert len(regions) == 1 and len(summary) == 1, run.log[-5000:]
+    compiled, recompiles, graph_breaks, fallbacks = summary[0]
+    assert int(compiled) == int(regions[0]) > 0, (regions, summary)
+    assert (recompiles, graph_breaks, fallbacks) == ("0", "0", "[]"), summary
