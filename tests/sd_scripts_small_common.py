@@ -2,9 +2,9 @@
 
 A harness runs sd-scripts' training script in its own process: it shrinks the model factories
 that sd-scripts hard-codes at full size (in memory; no file of the checkout changes), can record
-every step's loss, and hands the command line to the compile_accel launcher:
+every step's loss and compile_accel's stats, and hands the command line to the launcher:
 
-    python tests/sd_scripts_small_<model>.py [--losses FILE] --sd-scripts DIR SCRIPT ARGS...
+    python tests/sd_scripts_small_<model>.py [--record DIR] --sd-scripts DIR SCRIPT ARGS...
 
 This module also writes what a run reads: random checkpoints of the small sizes, a two-image
 dataset, and tokenizers where sd-scripts looks for them on the Hugging Face hub (run with
@@ -13,6 +13,7 @@ HF_HUB_CACHE=<workspace>/hub HF_HUB_OFFLINE=1, as `environment` sets).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -151,27 +152,36 @@ def small_t5_model() -> torch.nn.Module:
     return transformers.T5EncoderModel(small_t5(transformers.T5Config)(feed_forward_proj="gated-gelu"))
 
 
-def record_losses(path: Path) -> None:
-    """Append the loss of every training step to `path`, one JSON number a line: the values
-    sd-scripts' progress bar averages into avr_loss (LossRecorder.add gets each step's)."""
+def record(folder: Path) -> None:
+    """Write to `folder` the loss of every training step (`losses`, one JSON number a line: the
+    values sd-scripts' progress bar averages into avr_loss) and, at exit, the stats of the model
+    the launcher accelerated (`stats.json`; none without compile flags)."""
     from library import train_util
 
-    add = train_util.LossRecorder.add
+    from compile_accel.integrations import sd_scripts as launcher
+
+    add, apply = train_util.LossRecorder.add, launcher.apply
 
     def add_and_record(self: object, *, epoch: int, step: int, loss: float) -> None:
-        with path.open("a") as file:
+        with (folder / "losses").open("a") as file:
             file.write(json.dumps(loss) + "\n")
         add(self, epoch=epoch, step=step, loss=loss)
 
+    def apply_and_record(model: torch.nn.Module, config: object) -> object:
+        acceleration = apply(model, config)
+        atexit.register(lambda: (folder / "stats.json").write_text(json.dumps(acceleration.stats(), default=str)))
+        return acceleration
+
     train_util.LossRecorder.add = add_and_record
+    launcher.apply = apply_and_record  # what the launcher calls on the model it accelerates
 
 
 def harness_main(shrink: Callable[[], None], argv: list[str]) -> int:
-    """The harness command line: [--losses FILE] then the launcher's arguments."""
+    """The harness command line: [--record DIR] then the launcher's arguments."""
     from compile_accel.integrations.sd_scripts import main
 
-    if argv[:1] == ["--losses"]:
-        record_losses(Path(argv[1]))
+    if argv[:1] == ["--record"]:
+        record(Path(argv[1]))
         argv = argv[2:]
     shrink()
     return main(argv)

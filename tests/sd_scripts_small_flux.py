@@ -6,7 +6,7 @@ checkpoint) and CLIP-L and T5-XXL from configs written into flux_utils, all at f
 checkpoints of the shrunk sizes, the autoencoder at full size, the dataset, and CLIP and T5
 tokenizers where sd-scripts looks for them (sd_scripts_small_common).
 
-    python tests/sd_scripts_small_flux.py [--losses FILE] --sd-scripts DIR flux_train_network.py ARGS...
+    python tests/sd_scripts_small_flux.py [--record DIR] --sd-scripts DIR flux_train_network.py ARGS...
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ so `shrink_factories`, run before the script, shrinks those two factories; `make
 writes checkpoints of the shrunk sizes, Flux's autoencoder at full size, the dataset and a
 word-level tokenizer where sd-scripts looks for google/gemma-2-2b (sd_scripts_small_common).
 
-    python tests/sd_scripts_small_lumina.py [--losses FILE] --sd-scripts DIR lumina_train_network.py ARGS...
+    python tests/sd_scripts_small_lumina.py [--record DIR] --sd-scripts DIR lumina_train_network.py ARGS...
 """
 
 from __future__ import annotations

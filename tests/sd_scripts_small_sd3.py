@@ -6,7 +6,7 @@ sd3_utils and flux_utils at full size, which `shrink_factories`, run before the 
 `make_workspace` writes a two-block SD3.5-large-style MMDiT (RMS q/k norm), the small text
 encoders, the VAE at full size, the dataset and the tokenizers (sd_scripts_small_common).
 
-    python tests/sd_scripts_small_sd3.py [--losses FILE] --sd-scripts DIR sd3_train_network.py ARGS...
+    python tests/sd_scripts_small_sd3.py [--record DIR] --sd-scripts DIR sd3_train_network.py ARGS...
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ the small encoders' features). The U-Net keeps its layout: three levels, every R
 transformer, down- and upsampler. `make_workspace` writes one checkpoint in sd-scripts' own
 single-file format (its save_stable_diffusion_checkpoint), with the VAE at full size.
 
-    python tests/sd_scripts_small_sdxl.py [--losses FILE] --sd-scripts DIR sdxl_train_network.py ARGS...
+    python tests/sd_scripts_small_sdxl.py [--record DIR] --sd-scripts DIR sdxl_train_network.py ARGS...
 """
 
 from __future__ import annotations

@@ -68,6 +68,7 @@ class Run:
     losses: list[float]
     lora: dict[str, tuple[list[int], str]]  # key: (shape, dtype) in the saved file
     weights: Path  # the saved file
+    stats: dict[str, object] | None  # compile_accel's stats of the model at exit (None: nothing accelerated)
 
 
 Runs = dict[tuple[str, str], Run | Exception]  # by (trainer, mode): the run, or why it failed
@@ -125,7 +126,7 @@ def _train(sd_scripts: Path, harness: ModuleType, paths: dict[str, Path], mode: 
         *("--dataset_config", str(paths["dataset"]), "--output_dir", str(out), "--output_name", "lora"),
         *flags,
     ]
-    command = [sys.executable, harness.__file__, "--losses", str(out / "losses"), "--sd-scripts", str(sd_scripts)]
+    command = [sys.executable, harness.__file__, "--record", str(out), "--sd-scripts", str(sd_scripts)]
     # One thread a process: runs share the cores, and OpenMP threads that wait for a busy core
     # spin (steps of a fraction of a second took seconds with more threads than cores).
     env = environment(sd_scripts, paths["hub"], OMP_NUM_THREADS="1", **env)
@@ -139,7 +140,8 @@ def _train(sd_scripts: Path, harness: ModuleType, paths: dict[str, Path], mode: 
     with safe_open(out / "lora.safetensors", "pt") as file:
         lora = {k: (file.get_slice(k).get_shape(), file.get_slice(k).get_dtype()) for k in file.keys()}
     losses = [json.loads(line) for line in (out / "losses").read_text().splitlines()]
-    return Run(text, seconds, losses, lora, out / "lora.safetensors")
+    stats = json.loads((out / "stats.json").read_text()) if (out / "stats.json").exists() else None
+    return Run(text, seconds, losses, lora, out / "lora.safetensors", stats)
 
 
 def _run(runs: Runs, trainer: str, mode: str) -> Run:
@@ -165,15 +167,15 @@ def test_plain_run_trains_without_compile_accel(runs: Runs, trainer: str) -> Non
     print(f"{trainer} plain: {run.seconds:.1f} s, losses {run.losses}")
     assert len(run.losses) == STEPS and all(math.isfinite(loss) for loss in run.losses)
     assert run.lora and all(dtype == "F32" for _, dtype in run.lora.values())
-    assert "compile_accel:" not in run.log
+    assert run.stats is None and "compile_accel:" not in run.log
 
 
 @pytest.mark.parametrize("mode", ["selective", "budget"])
 @pytest.mark.parametrize("trainer", TRAINERS)
 def test_compiled_run_trains_as_plain(runs: Runs, trainer: str, mode: str) -> None:
     """The plain run's LoRA file layout and, within tolerances, its loss at every step and its
-    saved weights; every region compiled, no graph compiled twice or broken, and none that the
-    model never called (the launcher's exit report and its warning)."""
+    saved weights; every region compiled and called, no graph compiled twice or broken (the
+    acceleration's stats at exit, the launcher's exit report, and no warning of it)."""
     from safetensors.torch import load_file
 
     plain, run = _run(runs, trainer, "plain"), _run(runs, trainer, mode)
@@ -184,9 +186,11 @@ def test_compiled_run_trains_as_plain(runs: Runs, trainer: str, mode: str) -> No
     print(f"{trainer} {mode}: {run.seconds:.1f} s, loss differences {losses}, weights {max(weights.values()):.2g}")
     assert max(losses) <= LOSS_TOLERANCE, (run.losses, plain.losses)
     assert max(weights.values()) <= WEIGHT_TOLERANCE, weights
+    stats = run.stats
+    assert stats is not None and stats["mode"] == ("selective" if mode == "selective" else "blocks")
+    assert stats["compiled_regions"] == stats["regions"] > 0 and stats["uncalled_regions"] == [], stats
+    assert (stats["recompiles"], stats["graph_breaks"], stats["fallbacks"]) == (0, 0, []), stats
+    # What a user sees: the regions made, the exit report, and no warning of regions never called.
+    assert REGIONS.findall(run.log) == [str(stats["regions"])], run.log[-5000:]
+    assert SUMMARY.findall(run.log) == [(str(stats["compiled_regions"]), "0", "0", "[]")], run.log[-5000:]
     assert "regions were not called" not in run.log, run.log[-5000:]
-    regions, summary = REGIONS.findall(run.log), SUMMARY.findall(run.log)
-    assert len(regions) == 1 and len(summary) == 1, run.log[-5000:]
-    compiled, recompiles, graph_breaks, fallbacks = summary[0]
-    assert int(compiled) == int(regions[0]) > 0, (regions, summary)
-    assert (recompiles, graph_breaks, fallbacks) == ("0", "0", "[]"), summary
