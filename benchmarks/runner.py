@@ -59,6 +59,7 @@ import torch.nn as nn
 
 from compile_accel import CompileConfig, LayerOffloadConductor
 from compile_accel.compile_cache import load_compile_cache, save_compile_cache
+from compile_accel.compile_profile import PHASES
 from compile_accel.distributed import apply_ddp
 from compile_accel.memory import SavedActivationMeter
 from compile_accel.memory import gib_argument as _gib
@@ -615,6 +616,7 @@ def run_ab(
                 again = _run_child(mode, dataclasses.replace(settings, steps=1, warmup=0), env)
                 result["warm_first_step_s"] = again["first_step_s"]
                 result["warm_fxgraph_cache_hits"] = again["stats"]["fxgraph_cache_hits"]
+                result["warm_compile_times"] = again["stats"]["compile_times"]
         results.append(result)
         seconds = time.perf_counter() - start
         progress(f"[{i}/{len(modes)}] {mode}: {_progress_note(result, warm)}; {seconds:.0f} s in all")
@@ -667,7 +669,14 @@ def markdown_table(report: dict[str, Any], baseline: str = "eager+ckpt") -> str:
             f"| {'-' if r.get('mfu') is None else format(r['mfu'], '.1%')} | {s.get('unique_graphs', 0)} "
             f"| {s.get('recompiles', 0)} | {s.get('graph_breaks', 0)} | {len(s.get('fallbacks', []))} |"
         )
-    extra = [cap_note(report), auto_note(ran), offload_table(ran), parallel_table(ran), gpu_time_table(ran)]
+    extra = [
+        cap_note(report),
+        auto_note(ran),
+        compile_profile_table(ran),
+        offload_table(ran),
+        parallel_table(ran),
+        gpu_time_table(ran),
+    ]
     return "\n\n".join(["\n".join(lines), *(table for table in extra if table)])
 
 
@@ -704,6 +713,32 @@ def auto_note(report: dict[str, Any]) -> str:
             f"measured budget@offload: {tried}."
         )
     return "\n\n".join(notes)
+
+
+def compile_profile_table(report: dict[str, Any]) -> str:
+    """With a warm start measured: each mode's first step cold and warm, split into compile
+    phases (compile_accel.compile_profile) and the rest of the step ("run": executing it)."""
+    lines = [
+        "| mode | start | first step s | compiling s | "
+        + " | ".join(f"{phase} s" for phase in PHASES)
+        + " | of which at first backward s | run s | inductor graphs from cache |",
+        "|---|---|---|---|" + "---|" * len(PHASES) + "---|---|---|",
+    ]
+    for r in report["results"]:
+        if r.get("warm_compile_times") is None:
+            continue
+        for start, first, times in (
+            ("cold", r["first_step_s"], r["stats"]["compile_times"]),
+            ("warm", r["warm_first_step_s"], r["warm_compile_times"]),
+        ):
+            looked_up = times["fx_graphs_compiled"] + times["fx_graphs_from_cache"]
+            lines.append(
+                f"| {r['mode']} | {start} | {first:.1f} | {times['total_s']:.1f} | "
+                + " | ".join(f"{times[f'{phase}_s']:.1f}" for phase in PHASES)
+                + f" | {times['lazy_backward_s']:.1f} | {max(first - times['total_s'], 0.0):.1f} "
+                f"| {times['fx_graphs_from_cache']} of {looked_up} |"
+            )
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def offload_table(report: dict[str, Any]) -> str:

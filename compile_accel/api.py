@@ -14,6 +14,8 @@ from torch.utils.hooks import RemovableHandle
 from . import checkpointing
 from .auto_budget import AutoBudget
 from .blocks import BlockList, resolve_block_lists
+from .budget import start_compile_workers
+from .compile_profile import CompileClock, CompileTimes
 from .config import CompileConfig
 from .offload import offload_fraction_ladder
 from .regions import CompiledFunction, Region, restore_forward
@@ -61,6 +63,7 @@ class Acceleration:
         self._restored = False
         self._on_restore: list[Callable[[], None]] = []
         self.auto_budget: AutoBudget | None = None
+        self._compile_clock = CompileClock()
 
     def on_restore(self, callback: Callable[[], None]) -> None:
         """Run `callback` in restore() (after the regions are gone; last added, first run).
@@ -69,13 +72,24 @@ class Acceleration:
 
     def stats(self) -> dict[str, Any]:
         """Counters since apply(): regions, compiled_regions, unique_graphs, recompiles,
-        graph_breaks, compile_seconds, fallbacks, eager_nonresident_calls, and more; with
-        activation_memory_budget="auto", the calibration under "auto_budget" (None until the
-        first training step)."""
-        stats = {"mode": self.config.mode, **self._stats.as_dict()}
+        graph_breaks, compile_seconds, fallbacks, eager_nonresident_calls, and more; under
+        "compile_times", where this process's compile time since apply() went (phase seconds and
+        cache hits, compile_accel.compile_profile); with activation_memory_budget="auto", the
+        calibration under "auto_budget" (None until the first training step)."""
+        stats = {"mode": self.config.mode, **self._stats.as_dict(), "compile_times": self.compile_times().as_dict()}
         if self.auto_budget is not None:
             stats["auto_budget"] = self.auto_budget.result
         return stats
+
+    @property
+    def signature(self) -> str:
+        """What is compiled and how (region names, config less auto's limit): part of the keys
+        of auto's calibration cache and of the compiled-graph cache."""
+        return repr(([r.name for r in self.regions], dataclasses.replace(self.config, vram_limit_gib=None)))
+
+    def compile_times(self) -> CompileTimes:
+        """Where this process's compile time since apply() went: phases and cache hits."""
+        return self._compile_clock.since()
 
     def restore(self) -> None:
         """Put the model back to plain eager execution (and its checkpointing as it was)."""
@@ -228,6 +242,8 @@ def apply_blocks(
         patch.install()
     for region in regions:
         region.install()
+    if regions and config.backend == "inductor":
+        start_compile_workers()
     acceleration = Acceleration(model, config, block_lists, regions, eager_patches, switches, stats)
     if config.activation_memory_budget == "auto":
 
@@ -235,11 +251,14 @@ def apply_blocks(
             for fn in shared.values():
                 fn.use_budget(budget, counts)
 
-        # What is compiled, and how, changes the peaks: part of the calibration cache's key.
-        compiled = repr(([r.name for r in regions], dataclasses.replace(config, vram_limit_gib=None)))
         blocks = [block for block_list in block_lists for block in block_list.blocks]
         acceleration.auto_budget = AutoBudget(
-            model, set_budget, stats, config.vram_limit_gib, compiled, lambda device: offload_fraction_ladder(blocks)
+            model,
+            set_budget,
+            stats,
+            config.vram_limit_gib,
+            acceleration.signature,
+            lambda device: offload_fraction_ladder(blocks),
         )
         acceleration.on_restore(acceleration.auto_budget.remove)
     acceleration.on_restore(_watch_uncalled_regions(model, regions, stats).remove)

@@ -29,11 +29,9 @@ goes up: auto never keeps more blocks on the GPU than asked.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, fields
@@ -44,6 +42,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from .cache_files import cache_dir, run_key, write_atomically
 from .memory import SavedActivationMeter
 from .stats import Stats, warn
 
@@ -112,35 +111,7 @@ def default_limit_bytes(device: torch.device) -> int:
 
 
 def cache_path() -> Path:
-    root = os.environ.get("COMPILE_ACCEL_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "compile_accel"
-    )
-    return Path(root) / "auto_budget.json"
-
-
-def _cache_key(
-    model: nn.Module,
-    compiled: str,
-    inputs: list[torch.Tensor],
-    device: torch.device,
-    limit: int,
-    ladder: OffloadLadder | None,
-) -> str:
-    parts = [
-        type(model).__qualname__,
-        sum(p.numel() for p in model.parameters()),
-        sum(p.numel() for p in model.parameters() if p.requires_grad),
-        repr(getattr(model, "config", None)),  # e.g. a diffusers model's layers, heads, ...
-        compiled,
-        [(tuple(t.shape), str(t.dtype)) for t in inputs],
-        torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
-        torch.__version__,
-        limit,
-        CANDIDATES,
-        torch.is_autocast_enabled(device.type),
-        None if ladder is None else (ladder.name, ladder.levels),
-    ]
-    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:24]
+    return cache_dir() / "auto_budget.json"
 
 
 def _read_cache() -> dict[str, Any]:
@@ -203,29 +174,12 @@ def _valid_entry(entry: Any, ladder: OffloadLadder | None) -> bool:
 
 def _write_cache(key: str, entry: dict[str, Any]) -> None:
     path = cache_path()
-    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    cache = _read_cache()
+    cache[key] = entry
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        cache = _read_cache()
-        cache[key] = entry
-        partial.write_text(json.dumps(cache, indent=1))
-        _replace(partial, path)  # another run reading it never sees half a file
+        write_atomically(path, json.dumps(cache, indent=1).encode())
     except OSError as error:
-        partial.unlink(missing_ok=True)
         warn(f"could not write the auto budget cache {path}: {error}")
-
-
-def _replace(partial: Path, path: Path, tries: int = 5) -> None:
-    """os.replace, retried: Windows refuses it while another process (a run reading the cache,
-    a virus scanner) has `path` open."""
-    for attempt in range(tries):
-        try:
-            os.replace(partial, path)
-            return
-        except PermissionError:
-            if attempt == tries - 1:
-                raise
-            time.sleep(0.05 * 2**attempt)
 
 
 def _measure(run: Callable[[], None], device: torch.device, parameters: list[torch.Tensor]) -> tuple[float, int]:
@@ -338,7 +292,9 @@ class AutoBudget:
             raise ValueError("activation_memory_budget='auto' on a CPU needs CompileConfig.vram_limit_gib")
         ladder = self.find_ladder(device)
         self._level = math.nan if ladder is None else ladder.levels[0]
-        key = _cache_key(self.model, self.compiled, inputs, device, limit, ladder)
+        key = run_key(
+            self.model, self.compiled, inputs, device, limit, CANDIDATES, None if ladder is None else (ladder.name, ladder.levels)
+        )
         cached = _read_cache().get(key)
         if cached is not None and not _valid_entry(cached, ladder):
             warn(f"ignoring a malformed entry of the auto budget cache {cache_path()}: {str(cached)[:80]}")

@@ -91,6 +91,18 @@ def _inner_backend(config: CompileConfig) -> Callable:
     return torch._dynamo.lookup_backend(config.backend)
 
 
+def start_compile_workers() -> None:
+    """Start inductor's kernel-compile worker processes now. torch starts them at the first graph
+    it compiles, and while they start (seconds) it compiles that graph's kernels one by one in
+    this process; started at apply(), they are up by the first step. A torch without
+    `maybe_warm_pool`, or without triton (no worker pool), starts nothing."""
+    from torch._inductor import async_compile
+
+    warm_pool = getattr(async_compile, "maybe_warm_pool", None)
+    if warm_pool is not None:
+        warm_pool()
+
+
 _running = threading.local()
 
 

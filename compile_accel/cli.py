@@ -170,7 +170,10 @@ def bench(args: argparse.Namespace) -> int:
         return _refuse(refusal)
     settings = runner.BenchSettings.from_args(args, device)
     report = runner.run_ab(
-        modes, settings, progress=lambda line: print(line, file=sys.stderr, flush=True), warm=args.warm
+        modes,
+        settings,
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
+        warm=args.warm or args.compile_profile,
     )
     env, ran = report["environment"], runner.measured(report)
     description = ran["results"][0]["description"] if ran["results"] else f"{args.model} (every mode ran out of memory)"
@@ -214,6 +217,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="start each mode from an empty inductor cache of its own (cold), then time one more first step "
         "from that cache (the warm-start column)",
+    )
+    b.add_argument(
+        "--compile-profile",
+        action="store_true",
+        help="--warm, and a table of each mode's first step cold and warm split into compile phases (dynamo, "
+        "guards, AOTAutograd, inductor, kernel compilation, autotuning) and running the step",
     )
     from .benchmarks.runner import add_settings_arguments
 

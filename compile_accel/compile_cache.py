@@ -1,11 +1,17 @@
-"""Carry compiled kernels between runs and machines: PyTorch's portable cache artifacts.
+"""Carry compiled graphs between runs and machines: PyTorch's portable cache artifacts.
 
-Inductor already keeps its compiled graphs in TORCHINDUCTOR_CACHE_DIR, so a second run on the
-same machine reaches its first step quickly. The artifacts saved here (inductor, AOTAutograd
-and autotuning entries, `torch.compiler.save_cache_artifacts`) are one file that can be copied
-to another machine or a fresh container, where `load_compile_cache` fills the caches before
-the first compile. The artifacts are only used for graphs compiled again with the same torch,
-the same inputs and the same settings; anything else compiles as usual.
+Inductor already keeps its compiled graphs in TORCHINDUCTOR_CACHE_DIR (a temporary directory
+by default), so a second run on the same machine finds them while that directory lasts. The
+artifacts saved here (inductor, AOTAutograd and autotuning entries,
+`torch.compiler.save_cache_artifacts`) are one file that outlives it, can be copied to another
+machine or a fresh container, and fills the caches before the first compile there. The
+artifacts are only used for graphs compiled again with the same torch, the same inputs and the
+same settings; anything else compiles as usual.
+
+`save_compile_cache` / `load_compile_cache` work with a file you name. `RunCompileCache` keeps
+one file per run in the user's cache directory (compile_accel.cache_files: model, what is
+compiled and how, input shapes, GPU, torch version), loads it on the model's first forward and
+saves it after the first step; the sd-scripts launcher uses it.
 """
 
 from __future__ import annotations
@@ -15,7 +21,10 @@ import os
 from pathlib import Path
 
 import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
 
+from .cache_files import cache_dir, run_key, write_atomically
 from .dynamo_settings import HAS_CACHE_ARTIFACTS
 from .stats import warn
 
@@ -32,28 +41,81 @@ def _require() -> None:
 
 def save_compile_cache(path: str | os.PathLike) -> int:
     """Write the artifacts of everything compiled in this process to `path`; returns the bytes
-    written (0, and no file, when nothing was compiled)."""
+    written (0, and no file, when nothing was compiled). A reader never sees half a file."""
     _require()
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:
         return 0
     data, info = saved
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_bytes(data)
+    write_atomically(Path(path), data)
     logger.info("compile cache: saved %d bytes to %s (%s)", len(data), path, info)
     return len(data)
 
 
 def load_compile_cache(path: str | os.PathLike) -> bool:
     """Fill this process's compile caches from `path` (call before the first step); False, with
-    a log line, when there is no such file, and with a warning when torch cannot read it."""
+    a log line, when there is no such file, and with a warning when torch cannot read it
+    (corrupt, cut short, or from another torch): everything then compiles as usual."""
     _require()
     if not Path(path).is_file():
         logger.info("compile cache: no %s yet; compiling from scratch", path)
         return False
-    info = torch.compiler.load_cache_artifacts(Path(path).read_bytes())
+    try:
+        info = torch.compiler.load_cache_artifacts(Path(path).read_bytes())
+    except Exception as error:  # torch raises whatever its unpickling meets in a damaged file
+        info, why = None, f"{type(error).__name__}: {str(error)[:120]}"
+    else:
+        why = "torch read nothing from it"
     if info is None:
-        warn(f"compile cache: torch could not read {path} (corrupt or from another torch); compiling from scratch")
+        warn(f"compile cache: could not load {path} ({why}); compiling from scratch")
         return False
     logger.info("compile cache: loaded %s (%s)", path, info)
     return True
+
+
+class RunCompileCache:
+    """One cache-artifacts file per run, in the user's cache directory (module docstring).
+
+    A forward pre-hook on `model` (ahead of any other, so before auto's calibration compiles)
+    keys the file on the first call's inputs and loads it when there is one; `save()` after the
+    first step writes it when something was compiled that the file did not hold. `compiled`
+    describes what is compiled and how (regions, config) for the key.
+    """
+
+    def __init__(self, model: nn.Module, compiled: str) -> None:
+        _require()
+        self.model = model
+        self.compiled = compiled
+        self.path: Path | None = None  # known at the first forward
+        self.loaded = False
+        self._compiled_before_save = 0
+        self._handle = model.register_forward_pre_hook(self._first_forward, with_kwargs=True, prepend=True)
+
+    def _first_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if torch.compiler.is_compiling():
+            return  # the model compiled whole: its own graphs, which this cache does not key
+        self._handle.remove()
+        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        device = next((t.device for t in inputs if t.is_floating_point()), torch.device("cpu"))
+        self.path = cache_dir() / "compiled" / f"{run_key(self.model, self.compiled, inputs, device)}.bin"
+        self.loaded = load_compile_cache(self.path)
+        self._compiled_before_save = _graphs_compiled()
+
+    def save(self) -> int:
+        """Write the file if graphs were compiled since it was loaded (or it was not there);
+        returns the bytes written. A failed write warns: the run goes on."""
+        if self.path is None or (self.loaded and _graphs_compiled() == self._compiled_before_save):
+            return 0
+        try:
+            return save_compile_cache(self.path)
+        except OSError as error:
+            warn(f"compile cache: could not write {self.path}: {error}")
+            return 0
+
+    def remove(self) -> None:
+        """Load nothing (if the first forward has not come yet)."""
+        self._handle.remove()
+
+
+def _graphs_compiled() -> int:
+    return torch._dynamo.utils.counters["inductor"]["fxgraph_cache_miss"]

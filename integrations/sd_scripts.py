@@ -43,7 +43,8 @@ from compile_accel import Acceleration, CompileConfig
 from compile_accel.api import apply_prepared
 from compile_accel.auto_budget import OffloadLadder, spaced_levels
 from compile_accel.blocks import UNET_BLOCK_LISTS, match_block_lists
-from compile_accel.dynamo_settings import HAS_BUDGET_KNOB, cpp_compiler
+from compile_accel.compile_cache import RunCompileCache
+from compile_accel.dynamo_settings import HAS_BUDGET_KNOB, HAS_CACHE_ARTIFACTS, cpp_compiler
 from compile_accel.memory import gib_argument
 from compile_accel.patching import ModuleFunctionPatch
 from compile_accel.rotary import real_table, rotate_interleaved
@@ -330,6 +331,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "less a margin)",
         )
         group.add_argument(
+            "--no_compile_cache",
+            action="store_true",
+            help="do not keep the compiled graphs of this run in the compile_accel cache directory "
+            "($COMPILE_ACCEL_CACHE_DIR, default ~/.cache/compile_accel/compiled), from which the next run of the same "
+            "training loads them instead of compiling",
+        )
+        group.add_argument(
             "--compile_dynamic",
             choices=sorted(_DYNAMIC),
             default="auto",
@@ -356,10 +364,14 @@ def config_from_args(args: argparse.Namespace) -> CompileConfig | None:
     if args.vram_limit_gib is not None and budget != "auto":
         raise LaunchError("--vram_limit_gib is the limit of --activation_memory_budget auto; give that too")
     if budget is None and not selective:
-        if args.compile_dynamic != "auto" or args.compile_recompile_limit != CompileConfig.recompile_limit:
+        if (
+            args.compile_dynamic != "auto"
+            or args.compile_recompile_limit != CompileConfig.recompile_limit
+            or args.no_compile_cache
+        ):
             raise LaunchError(
-                "--compile_dynamic and --compile_recompile_limit need --selective_torch_compile or "
-                "--activation_memory_budget"
+                "--compile_dynamic, --compile_recompile_limit and --no_compile_cache need --selective_torch_compile "
+                "or --activation_memory_budget"
             )
         return None
     asked = "--activation_memory_budget" if budget is not None else f"--selective_torch_compile ({SELECTIVE_ENV})"
@@ -410,6 +422,7 @@ class Launch:
         self.args: argparse.Namespace | None = None
         self.config: CompileConfig | None = None
         self.acceleration: Acceleration | None = None
+        self.compile_cache: RunCompileCache | None = None
         self._reported_first_step = False
 
     def watch(self, parser: argparse.ArgumentParser) -> None:
@@ -439,6 +452,9 @@ class Launch:
             self.config = None
             return
         self.acceleration = apply(model, self.config)
+        if HAS_CACHE_ARTIFACTS and not self.args.no_compile_cache:
+            self.compile_cache = RunCompileCache(model, self.acceleration.signature)
+            self.acceleration.on_restore(self.compile_cache.remove)
         switched = self.acceleration.stats()["checkpointing_switched_off"]
         _say(
             f"{self.config.mode} compile of {type(model).__name__} "
@@ -464,9 +480,14 @@ class Launch:
         if auto:
             offload = f" at {auto['offload_name']} {auto['offload']:g}" if auto["offload_name"] else ""
             chose = f"; auto chose budget {auto['budget']}{offload}{' (cached)' if auto['cached'] else ''}"
+        cache = ""
+        if self.compile_cache is not None and self.compile_cache.path is not None:
+            loaded = "loaded from" if self.compile_cache.loaded else "not yet in"
+            saved = self.compile_cache.save()
+            cache = f"; compiled graphs {loaded} {self.compile_cache.path}{', saved there' if saved else ''}"
         _say(
-            f"first step done: {stats['compile_seconds']:.1f} s compiling {stats['unique_graphs']} graphs, "
-            f"{stats['recompiles']} recompiles, {len(stats['fallbacks'])} fallbacks{chose}"
+            f"first step done: {self.acceleration.compile_times().summary()}; {stats['unique_graphs']} "
+            f"graphs, {stats['recompiles']} recompiles, {len(stats['fallbacks'])} fallbacks{chose}{cache}"
         )
 
     def report(self) -> None:

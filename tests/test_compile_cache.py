@@ -9,8 +9,12 @@ import sys
 
 import pytest
 
-from compile_accel.compile_cache import load_compile_cache
+import torch
+
+from compile_accel.compile_cache import RunCompileCache, load_compile_cache
 from compile_accel.dynamo_settings import HAS_CACHE_ARTIFACTS
+
+needs_artifacts = pytest.mark.skipif(not HAS_CACHE_ARTIFACTS, reason="torch without cache artifacts")
 
 PROGRAM = """
 import json, sys, torch
@@ -35,7 +39,7 @@ def _run(action: str, path: str, cache_dir: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(not HAS_CACHE_ARTIFACTS, reason="torch without cache artifacts")
+@needs_artifacts
 def test_artifacts_give_a_fresh_cache_directory_its_graphs(tmp_path) -> None:
     artifacts = str(tmp_path / "artifacts.bin")
     first = _run("save", artifacts, str(tmp_path / "inductor_a"))
@@ -44,14 +48,70 @@ def test_artifacts_give_a_fresh_cache_directory_its_graphs(tmp_path) -> None:
     assert second["loaded"] is True and second["hits"] > 0
 
 
-@pytest.mark.skipif(not HAS_CACHE_ARTIFACTS, reason="torch without cache artifacts")
+@needs_artifacts
 def test_missing_artifacts_file_is_not_an_error(tmp_path) -> None:
     assert load_compile_cache(tmp_path / "none.bin") is False
 
 
-@pytest.mark.skipif(not HAS_CACHE_ARTIFACTS, reason="torch without cache artifacts")
+@needs_artifacts
 def test_unreadable_artifacts_file_is_reported_not_loaded(tmp_path) -> None:
     path = tmp_path / "garbage.bin"
     path.write_bytes(b"not a pickle of cache artifacts")
-    with pytest.warns(RuntimeWarning, match="could not read"):
+    with pytest.warns(RuntimeWarning, match="could not load"):
         assert load_compile_cache(path) is False
+
+
+class _ModelWithACompiledBlock(torch.nn.Module):
+    """An eager model whose block runs compiled, as compile_accel leaves a model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+        self.__dict__["compiled_block"] = torch.compile(self.block)  # not a submodule: keys unchanged
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.compiled_block(x)
+
+
+def _first_forward(model: torch.nn.Module, compiled: str, inputs: torch.Tensor) -> RunCompileCache:
+    """A run's cache after the model's first forward (which keys and loads it)."""
+    cache = RunCompileCache(model, compiled)
+    model(inputs)
+    return cache
+
+
+@pytest.fixture
+def saved_run(tmp_path, monkeypatch) -> tuple[torch.nn.Module, RunCompileCache]:
+    """A run that compiled its block and saved the artifacts under its key."""
+    monkeypatch.setenv("COMPILE_ACCEL_CACHE_DIR", str(tmp_path))
+    model = _ModelWithACompiledBlock()
+    cache = _first_forward(model, "config A", torch.randn(4, 8))
+    assert cache.loaded is False and cache.save() > 0 and cache.path.is_file()
+    return model, cache
+
+
+@needs_artifacts
+def test_a_run_loads_its_own_entry_and_no_other_config_shape_or_torch(saved_run, monkeypatch) -> None:
+    model, first = saved_run
+    again = _first_forward(model, "config A", torch.randn(4, 8))
+    assert again.path == first.path and again.loaded is True
+    assert again.save() == 0  # nothing compiled that the file lacks: not written again
+    others = [_first_forward(model, "config B", torch.randn(4, 8)), _first_forward(model, "config A", torch.randn(2, 8))]
+    monkeypatch.setattr(torch, "__version__", "9.9.9")
+    others.append(_first_forward(model, "config A", torch.randn(4, 8)))
+    assert all(other.path != first.path and other.loaded is False for other in others)
+
+
+@needs_artifacts
+@pytest.mark.parametrize("damage", ["garbage", "cut short"])
+def test_a_damaged_entry_warns_compiles_again_and_is_rewritten(saved_run, damage) -> None:
+    model, first = saved_run
+    data = first.path.read_bytes()
+    first.path.write_bytes(b"\x80\x04 not artifacts" if damage == "garbage" else data[: len(data) // 2])
+    torch._dynamo.reset()
+    with pytest.warns(RuntimeWarning, match="could not load"):
+        again = _first_forward(model, "config A", torch.randn(4, 8))
+    assert again.loaded is False
+    assert again.save() > 0
+    torch._dynamo.reset()
+    assert _first_forward(model, "config A", torch.randn(4, 8)).loaded is True

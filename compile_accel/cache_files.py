@@ -1,0 +1,66 @@
+"""Where compile_accel keeps what it learns about a training run, under which key, and how it
+writes there.
+
+Two caches use this: auto's calibration (compile_accel.auto_budget) and the compiled-graph
+artifacts (compile_accel.compile_cache). Both are keyed by the run: the model (class,
+parameter counts, its `config`), what is compiled and how, the input shapes and dtypes,
+autocast, the GPU and the torch version, plus what each cache adds. A run that differs in any
+of these gets an entry of its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+
+def cache_dir() -> Path:
+    """$COMPILE_ACCEL_CACHE_DIR, else compile_accel/ in the user's cache directory."""
+    root = os.environ.get("COMPILE_ACCEL_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "compile_accel"
+    )
+    return Path(root)
+
+
+def run_key(model: nn.Module, compiled: str, inputs: list[torch.Tensor], device: torch.device, *extra: Any) -> str:
+    """A short hash of everything that decides what a run compiles (module docstring) and `extra`."""
+    parts = [
+        type(model).__qualname__,
+        sum(p.numel() for p in model.parameters()),
+        sum(p.numel() for p in model.parameters() if p.requires_grad),
+        repr(getattr(model, "config", None)),  # e.g. a diffusers model's layers, heads, ...
+        compiled,
+        [(tuple(t.shape), str(t.dtype)) for t in inputs],
+        torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+        torch.__version__,
+        torch.is_autocast_enabled(device.type),
+        *extra,
+    ]
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:24]
+
+
+def write_atomically(path: Path, data: bytes, tries: int = 5) -> None:
+    """Write `path` so that a reader (another run) never sees half a file: a temporary file,
+    then os.replace, retried because Windows refuses it while another process (a run reading
+    the file, a virus scanner) has `path` open. Raises OSError; no temporary file is left."""
+    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_bytes(data)
+        for attempt in range(tries):
+            try:
+                os.replace(partial, path)
+                return
+            except PermissionError:
+                if attempt == tries - 1:
+                    raise
+                time.sleep(0.05 * 2**attempt)
+    finally:
+        partial.unlink(missing_ok=True)
