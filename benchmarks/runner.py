@@ -493,6 +493,10 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
     if gpu_time is not None:
         stats["gpu_time_per_step_s"] = gpu_time
     stats["fxgraph_cache_hits"] = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
+    # torch's own compile timers, nested (compile_times above is their exclusive summary)
+    stats["torch_compile_timers_s"] = {
+        name: round(sum(seconds), 3) for name, seconds in torch._dynamo.utils.compilation_time_metrics.items()
+    }
     if cache_file is not None and _rank() == 0:
         stats["compile_cache"] = {"loaded": cache_loaded, "saved_bytes": save_compile_cache(cache_file)}
     if conductor is not None:

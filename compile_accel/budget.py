@@ -24,6 +24,7 @@ A torch without the knob keeps the lazy compile.
 
 from __future__ import annotations
 
+import importlib
 import threading
 from typing import Any, Callable
 
@@ -36,6 +37,14 @@ from .attention import rewrite_attention
 from .config import CompileConfig
 from .dynamo_settings import HAS_EAGER_BACKWARD_KNOB
 from .stats import Stats
+
+
+# CompileConfig.fast_compile. Measured on sd-scripts' Flux fp8, selective, cold, on an H100
+# (benchmarks/results/h100_compile_profile/knobs.md): inductor's pattern-matcher passes took
+# 3.6 s of a 26.9 s compile and the runtime autotuning of pointwise kernels 1.8 s, and the steps
+# compiled without them were not slower. Blocks call attention through SDPA and their matmuls
+# through extern kernels, which those passes would otherwise look for.
+FAST_COMPILE_SETTINGS: dict[str, Any] = {"pattern_matcher": False, "triton.autotune_pointwise": False}
 
 
 class RegionNotCompilable(RuntimeError):
@@ -92,15 +101,22 @@ def _inner_backend(config: CompileConfig) -> Callable:
 
 
 def start_compile_workers() -> None:
-    """Start inductor's kernel-compile worker processes now. torch starts them at the first graph
-    it compiles, and while they start (seconds) it compiles that graph's kernels one by one in
-    this process; started at apply(), they are up by the first step. A torch without
-    `maybe_warm_pool`, or without triton (no worker pool), starts nothing."""
+    """Start inductor's kernel-compile worker processes now, and import its compiler in the
+    background. torch starts the workers at the first graph it compiles, and while they start
+    (seconds) it compiles that graph's kernels one by one in this process; the import of
+    torch._inductor.compile_fx took 1.7 s of a warm first step on an H100. Started at apply(),
+    both overlap whatever the trainer does before the first block runs. Without triton (no
+    worker pool; CPU builds) nothing starts."""
     from torch._inductor import async_compile
+    from torch.utils._triton import has_triton_package
 
+    if not has_triton_package():
+        return
     warm_pool = getattr(async_compile, "maybe_warm_pool", None)
     if warm_pool is not None:
         warm_pool()
+    # An import error here would be raised again, with its traceback, by the first compile.
+    threading.Thread(target=importlib.import_module, args=("torch._inductor.compile_fx",), daemon=True).start()
 
 
 _running = threading.local()
@@ -146,6 +162,8 @@ class RegionBackend:
             self._aot_settings["activation_memory_budget"] = budget
         if HAS_EAGER_BACKWARD_KNOB:
             self._aot_settings["force_non_lazy_backward_lowering"] = True
+        # Inductor settings patched around every compile of a region, and only there.
+        self._inductor_settings = FAST_COMPILE_SETTINGS if config.fast_compile else {}
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         op = _complex_op(gm)
@@ -159,7 +177,7 @@ class RegionBackend:
             self.saw_checkpoint = True
         signature = _signature(gm)
         rewrite_attention(gm)
-        with torch._functorch.config.patch(self._aot_settings):
+        with torch._functorch.config.patch(self._aot_settings), torch._inductor.config.patch(self._inductor_settings):
             compiled = _flagging(self.inner(gm, example_inputs))
         # Counted once compiled: a compile that raised (or a Ctrl-C) made no graph, and the
         # retry of the same graph is no recompile.

@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 import compile_accel
 from compile_accel import CompileConfig
+from compile_accel.budget import FAST_COMPILE_SETTINGS
 from compile_accel.memory import SavedActivationMeter
 
 
@@ -166,3 +167,30 @@ def test_validation_without_grad_is_no_checkpoint_and_a_reentrant_recompute_is_o
     with pytest.warns(RuntimeWarning, match="still checkpointed"):
         model(x).sum().backward()  # reentrant checkpoint: grad off in forward, recompute in backward
     assert sorted(acceleration.stats()["still_checkpointed"]) == ["blocks.0", "blocks.1"]
+
+
+_SETTINGS_SEEN_BY_BACKEND: list[dict] = []
+
+
+def _fast_compile_settings() -> dict:
+    config = torch._inductor.config.get_config_copy()
+    return {name: config[name] for name in FAST_COMPILE_SETTINGS}
+
+
+@torch._dynamo.register_backend(name="compile_accel_test_recording")
+def _recording_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+    """Stands in for inductor: records the inductor settings in force while it compiles."""
+    _SETTINGS_SEEN_BY_BACKEND.append(_fast_compile_settings())
+    return gm.forward
+
+
+@pytest.mark.parametrize("fast_compile", [True, False])
+def test_fast_compile_settings_hold_inside_a_regions_compile_only(fast_compile: bool) -> None:
+    _SETTINGS_SEEN_BY_BACKEND.clear()
+    outside = _fast_compile_settings()
+    blocks = nn.ModuleList([nn.Sequential(nn.Linear(4, 4), nn.GELU()) for _ in range(2)])
+    config = CompileConfig(mode="blocks", backend="compile_accel_test_recording", fast_compile=fast_compile)
+    compile_accel.apply(blocks, config, blocks=[blocks])
+    blocks[0](torch.randn(2, 4))
+    assert _SETTINGS_SEEN_BY_BACKEND == [FAST_COMPILE_SETTINGS if fast_compile else outside]
+    assert _fast_compile_settings() == outside

@@ -35,6 +35,7 @@ BAD_CONFIGS = [
     (dict(mode="blocks", dynamic=1), "dynamic must be None, True or False"),
     (dict(mode="blocks", dynamic=0), "dynamic must be None, True or False"),
     (dict(mode="blocks", fullgraph=1), "fullgraph must be True or False"),
+    (dict(mode="blocks", fast_compile=None), "fast_compile must be True or False"),
     (dict(mode="blocks", activation_memory_budget="auto", vram_limit_gib=float("inf")), "vram_limit_gib must be a"),
     (dict(mode="blocks", activation_memory_budget="auto", vram_limit_gib=float("nan")), "vram_limit_gib must be a"),
     (dict(mode="blocks", activation_memory_budget="auto", vram_limit_gib=0), "vram_limit_gib must be a"),
