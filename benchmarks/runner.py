@@ -1,33 +1,20 @@
 """A/B of compile settings on a LoRA training step, one process per setting.
 
-`run_ab()` starts `python -m compile_accel.benchmarks.runner --mode SPEC ...` once per mode,
-so each gets clean memory statistics and a cold dynamo state, and collects the JSON line
-each child prints last. Modes:
+`run_ab()` starts `python -m compile_accel.benchmarks.runner --mode SPEC ...` once per mode
+(the grammar: benchmarks/modes.py), so each gets clean memory statistics and a cold dynamo
+state, and collects the JSON line each child prints last; benchmarks/report.py tabulates them.
 
-    eager              no checkpointing, nothing compiled
-    eager+ckpt         the model's own checkpointing, nothing compiled (the baseline)
-    whole+ckpt         checkpointing kept, the whole model compiled (what sd-scripts' --torch_compile does)
-    selective+ckpt     checkpointing kept, compute children of each block compiled
-    blocks+ckpt        whole blocks compiled with their checkpoint inside
-    blocks+budget=B    whole blocks compiled with activation memory budget B, no checkpointing
-    blocks+auto        the budget chosen by calibration on the first step (--vram-limit-gib)
+A mode ending in `+ddp=N` runs N data-parallel processes, one per GPU, through torchrun and
+compile_accel.distributed.apply_ddp, the same batch on each, reported as samples/s; `+split=N`
+places the blocks across N GPUs by compile_accel.placement.split_blocks, the peak being the
+largest of the GPUs'. `+offload=F` attaches a LayerOffloadConductor streaming the first F of the
+blocks from pinned host memory (`+act`: activation offload, `+int8`: int8 weight streaming);
+those rows also report the bytes sent per step, the time the same transfers take with no
+compute, and for int8 the output error against the bf16 weights.
 
-A mode can end in `+ddp=N` (N data-parallel processes, one per GPU, through torchrun and
-compile_accel.distributed.apply_ddp; the same batch on each, reported as samples/s) or
-`+split=N` (the blocks placed across N GPUs by compile_accel.placement.split_blocks; the
-peak is the largest of the GPUs'), e.g. `blocks+budget=0.5+ddp=2`.
-
-Any mode can end in `+offload=F` (LayerOffloadConductor streaming the first F of the blocks
-from pinned host memory), optionally followed by `+act` (activation offload) and `+int8`
-(int8 weight streaming), e.g. `blocks+ckpt+offload=0.9+act`. Those rows also report the bytes
-sent per step, the time the same transfers take with no compute, and for int8 the output
-error against the bf16 weights.
-
-On a GPU each child also counts the FLOPs of one LoRA step without recompute (forward and
-backward, torch.utils.flop_counter) and times a bf16 matmul, for the model FLOP utilisation:
-step FLOPs / step time / matmul rate. With `--profile-steps N` it profiles N more steps and
-adds where the GPU time goes: kernel time per step by kind (matmul, attention, inductor's
-Triton kernels, copies, other) against the median step.
+On a GPU each child also measures what benchmarks/measure.py describes: the step's FLOPs and
+the matmul rate for the model FLOP utilisation, and with `--profile-steps N` the kernel time by
+kind over N more steps.
 
 For the sd-scripts models, `--fp8-base` and `--blocks-to-swap N` are the trainers' own memory
 options, applied their way (benchmarks/models.py). `--vram-cap-gib G` lets each child allocate
@@ -57,104 +44,24 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from compile_accel import CompileConfig, LayerOffloadConductor
+from compile_accel import LayerOffloadConductor
 from compile_accel.compile_cache import load_compile_cache, save_compile_cache
-from compile_accel.compile_profile import PHASES
 from compile_accel.distributed import apply_ddp
 from compile_accel.memory import SavedActivationMeter
 from compile_accel.memory import gib_argument as _gib
 from compile_accel.placement import split_blocks
 
+from .measure import (
+    cap_gpu_memory,
+    gpu_time_per_step,
+    matmul_tflops,
+    peak_memory,
+    step_flops,
+    synchronize,
+    transfer_only_seconds,
+)
 from .models import MODELS, BenchModel, SdScriptsOptions
-
-logger = logging.getLogger("compile_accel.bench")
-
-DEFAULT_MODES = ["eager+ckpt", "selective+ckpt", "blocks+budget=0.5", "blocks+budget=1.0"]
-
-
-@dataclass
-class OffloadSpec:
-    fraction: float
-    activation_offload: bool = False
-    int8: bool = False
-
-
-@dataclass
-class ModeSpec:
-    name: str
-    config: CompileConfig
-    checkpointing: bool
-    whole_model: bool = False
-    offload: OffloadSpec | None = None
-    ddp: int = 1  # data-parallel processes
-    split: int = 1  # GPUs the blocks are split across
-
-
-def _parse_offload(spec: str, suffix: str) -> OffloadSpec:
-    value, *flags = suffix.split("+")
-    try:
-        fraction = float(value)
-    except ValueError:
-        raise ValueError(f"mode {spec!r}: offload fraction must be a number in [0, 1]") from None
-    if not 0.0 <= fraction <= 1.0 or not set(flags) <= {"act", "int8"} or len(set(flags)) != len(flags):
-        raise ValueError(f"mode {spec!r}: expected +offload=F with F in [0, 1], then optionally +act and +int8")
-    return OffloadSpec(fraction, "act" in flags, "int8" in flags)
-
-
-def _parse_count(spec: str, value: str) -> int:
-    if not value.isdecimal() or int(value) < 2:
-        raise ValueError(f"mode {spec!r}: +ddp=N and +split=N need a whole number N >= 2")
-    return int(value)
-
-
-def parse_mode(spec: str) -> ModeSpec:
-    """'blocks+budget=0.5' -> blocks mode, budget 0.5, no checkpointing; ValueError if unknown."""
-    rest, counts = spec, {}
-    for key in ("ddp", "split"):
-        rest, found, value = rest.partition(f"+{key}=")
-        if found:
-            counts[key] = _parse_count(spec, value)
-    base, _, offload = rest.partition("+offload=")
-    mode = _parse_compile_mode(base)
-    mode.name = spec
-    if offload:
-        mode.offload = _parse_offload(spec, offload)
-    if len(counts) > 1 or (counts and mode.offload is not None):
-        raise ValueError(f"mode {spec!r}: +ddp, +split and +offload are separate ways to use GPUs; give one")
-    mode.ddp, mode.split = counts.get("ddp", 1), counts.get("split", 1)
-    return mode
-
-
-def _parse_compile_mode(spec: str) -> ModeSpec:
-    head, _, rest = spec.partition("+")
-    if head == "eager" and rest in ("", "ckpt"):
-        return ModeSpec(spec, CompileConfig(mode="off"), rest == "ckpt")
-    if head == "whole" and rest == "ckpt":
-        return ModeSpec(spec, CompileConfig(mode="off"), True, whole_model=True)
-    if head == "selective" and rest == "ckpt":
-        return ModeSpec(spec, CompileConfig(mode="selective"), True)
-    if head == "blocks" and rest == "ckpt":
-        return ModeSpec(spec, CompileConfig(mode="blocks"), True)
-    if head == "blocks" and rest == "auto":
-        return ModeSpec(spec, CompileConfig(mode="blocks", activation_memory_budget="auto"), False)
-    if head == "blocks" and rest.startswith("budget="):
-        try:
-            budget = float(rest.removeprefix("budget="))
-        except ValueError:
-            raise ValueError(f"mode {spec!r}: budget must be a number in [0, 1]") from None
-        config = CompileConfig(mode="blocks", activation_memory_budget=budget)
-        config.validate()
-        return ModeSpec(spec, config, False)
-    raise ValueError(
-        f"unknown mode {spec!r}; modes: eager, eager+ckpt, whole+ckpt, selective+ckpt, blocks+ckpt, blocks+budget=B, "
-        "blocks+auto, each optionally followed by +offload=F[+act][+int8], +ddp=N or +split=N"
-    )
-
-
-def _sync(gpus: list[torch.device]) -> None:
-    """Wait for every GPU the step uses (a split step ends work on several)."""
-    for gpu in gpus:
-        torch.cuda.synchronize(gpu)
+from .modes import ModeSpec, parse_mode
 
 
 @dataclass
@@ -293,92 +200,9 @@ class StepResult:
     devices: int = 1
 
 
-def matmul_tflops(device: str, n: int = 8192, repeats: int = 20) -> float:
-    """Measured bf16 matmul rate of the card (median of `repeats` after warm-up)."""
-    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
-    for _ in range(3):
-        a @ b
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        a @ b
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * n**3 / statistics.median(times) / 1e12
-
-
-# Kernel kinds by name (lower case), first match wins: cuDNN's attention kernels contain "sdpa"
-# and "flash" (and "wgmma", which is why attention is looked for before "gemm").
-KERNEL_KINDS = (
-    ("attention", ("flash", "fmha", "sdpa", "attention")),
-    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "cublas")),
-    ("triton", ("triton",)),
-    ("copies", ("memcpy", "memset")),
-)
-
-
-def kernel_kind(name: str) -> str:
-    """The KERNEL_KINDS kind of a GPU kernel named `name`, or "other"."""
-    name = name.lower()
-    return next((kind for kind, parts in KERNEL_KINDS if any(part in name for part in parts)), "other")
-
-
-def gpu_time_per_step(step: Callable[[], Any], steps: int, gpus: list[torch.device]) -> dict[str, float]:
-    """Seconds of GPU kernel time per step, by kernel kind, over `steps` profiled steps (kernels on
-    several streams at once each count in full)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    _sync(gpus)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        _sync(gpus)
-    seconds = dict.fromkeys([kind for kind, _ in KERNEL_KINDS] + ["other"], 0.0)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            seconds[kernel_kind(event.name)] += event.time_range.elapsed_us() / 1e6
-    return {kind: total / steps for kind, total in seconds.items()}
-
-
-def step_flops(bench: BenchModel) -> int | None:
-    """FLOPs of one LoRA step without recompute: an eager forward and backward, counted. None
-    (no MFU in the table) when such a step does not fit in GPU memory."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    try:
-        with FlopCounterMode(display=False) as counter, torch.autocast("cuda", dtype=torch.bfloat16):
-            bench.predict().float().square().mean().backward()
-    except torch.OutOfMemoryError:
-        logger.warning("bench: a step without checkpointing does not fit in GPU memory; no MFU for this mode")
-        return None
-    finally:
-        for p in bench.lora_params:
-            p.grad = None
-        bench.reset_block_swap()  # an out-of-memory forward leaves swapped blocks half moved
-        torch.cuda.empty_cache()
-    return counter.get_total_flops()
-
-
 def _inference_output(bench: BenchModel, device: str) -> torch.Tensor:
     with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
         return bench.predict().float()
-
-
-@torch.no_grad()  # visits with no forward behind them: nothing for backward to come back for
-def transfer_only_seconds(conductor: LayerOffloadConductor, repeats: int = 3) -> float:
-    """The weight copies of one training step (forward order, then backward's) with no compute."""
-    order = [*range(len(conductor.blocks)), *reversed(range(len(conductor.blocks)))]
-    times = []
-    for _ in range(repeats):
-        conductor.synchronize()
-        start = time.perf_counter()
-        for index in order:
-            conductor.before_layer(index)
-        conductor.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _rank() -> int:
@@ -395,21 +219,6 @@ def _wrap_ddp(bench: BenchModel, device: str) -> None:
         bench.model.register_module("bench_lora_parameters", nn.ParameterList(outside))
     device_ids = [torch.cuda.current_device()] if device == "cuda" else None
     bench.wrapper = apply_ddp(bench.model, device_ids=device_ids)
-
-
-def cap_gpu_memory(gib: float, gpus: list[torch.device]) -> None:
-    """Let this process allocate at most `gib` GiB on each of `gpus`, as on cards of that size."""
-    for gpu in gpus:
-        total = torch.cuda.get_device_properties(gpu).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), gpu)
-
-
-def _peak_memory(devices: list[torch.device]) -> tuple[int, int]:
-    """(max allocated, max reserved) of the busiest of `devices` since the last reset."""
-    return (
-        max(torch.cuda.max_memory_allocated(d) for d in devices),
-        max(torch.cuda.max_memory_reserved(d) for d in devices),
-    )
 
 
 def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
@@ -466,24 +275,24 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
 
     start = time.perf_counter()
     step()
-    _sync(gpus)
+    synchronize(gpus)
     first = time.perf_counter() - start
     for _ in range(settings.warmup):
         step()
-    _sync(gpus)
+    synchronize(gpus)
     for gpu in gpus:
         torch.cuda.reset_peak_memory_stats(gpu)
     counters_before = dict(conductor.counters) if conductor is not None else {}
     times = []
     for _ in range(settings.steps):
-        _sync(gpus)
+        synchronize(gpus)
         start = time.perf_counter()
         loss = step()
-        _sync(gpus)
+        synchronize(gpus)
         times.append(time.perf_counter() - start)
     gpu_time = gpu_time_per_step(step, settings.profile_steps, gpus) if settings.profile_steps and gpus else None
     if device == "cuda":
-        (peak, reserved), kind = _peak_memory(gpus), "cuda max allocated"
+        (peak, reserved), kind = peak_memory(gpus), "cuda max allocated"
     else:
         with SavedActivationMeter([*model.parameters(), *bench.lora_params]) as meter:
             bench.predict().float().square().mean().backward()
@@ -521,25 +330,25 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
     median = statistics.median(times)
     rate = matmul_tflops(device) * spec.split if device == "cuda" else None  # the rate of every GPU the step uses
     return StepResult(
-        spec.name,
-        settings.model,
-        bench.description,
-        device,
-        settings.steps,
-        median,
-        min(times),
-        first,
-        peak,
-        kind,
-        reserved,
-        loss,
-        stats,
-        flops,
-        rate,
-        flops / median / (rate * 1e12) if flops else None,
-        bench.target.shape[0] * spec.ddp / median,
-        spec.ddp,
-        spec.ddp * spec.split,
+        mode=spec.name,
+        model=settings.model,
+        description=bench.description,
+        device=device,
+        steps=settings.steps,
+        step_s_median=median,
+        step_s_min=min(times),
+        first_step_s=first,
+        peak_bytes=peak,
+        peak_kind=kind,
+        reserved_bytes=reserved,
+        loss=loss,
+        stats=stats,
+        step_flops=flops,
+        matmul_tflops=rate,
+        mfu=flops / median / (rate * 1e12) if flops else None,
+        samples_per_s=bench.target.shape[0] * spec.ddp / median,
+        processes=spec.ddp,
+        devices=spec.ddp * spec.split,
     )
 
 
@@ -637,177 +446,6 @@ def _progress_note(result: dict[str, Any], warm: bool) -> str:
         return f"OOM ({result['oom']})"
     warm_note = f", warm first step {result['warm_first_step_s']:.1f} s" if warm else ""
     return f"{result['step_s_median'] * 1e3:.1f} ms/step (first step {result['first_step_s']:.1f} s{warm_note})"
-
-
-def _format_bytes(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.2f} MiB"
-
-
-def measured(report: dict[str, Any]) -> dict[str, Any]:
-    """The report without the modes that ran out of memory."""
-    return {**report, "results": [r for r in report["results"] if "oom" not in r]}
-
-
-def markdown_table(report: dict[str, Any], baseline: str = "eager+ckpt") -> str:
-    """The main table (a mode that ran out of memory is a row marked OOM), the note on a memory
-    cap, then the offload, parallel and GPU-time tables of the modes that ran."""
-    ran = measured(report)
-    base = next((r for r in ran["results"] if r["mode"] == baseline), None)
-    kind = ran["results"][0]["peak_kind"] if ran["results"] else ""
-    lines = [
-        f"| mode | median s/step | min s/step | vs {baseline} | peak ({kind}) | reserved | first step s "
-        "| warm first step s | MFU | graphs | recompiles | graph breaks | fallbacks |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in report["results"]:
-        if "oom" in r:
-            message = r["oom"].replace("|", "\\|")  # a bar would end the cell
-            lines.append(f"| {r['mode']} | OOM: {message} |" + " - |" * 11)
-            continue
-        speedup = f"{base['step_s_median'] / r['step_s_median']:.2f}x" if base else "-"
-        s = r["stats"]
-        lines.append(
-            f"| {r['mode']} | {r['step_s_median']:.4f} | {r['step_s_min']:.4f} | {speedup} | {_format_bytes(r['peak_bytes'])} "
-            f"| {_format_bytes(r['reserved_bytes'])} | {r['first_step_s']:.1f} "
-            f"| {'-' if r.get('warm_first_step_s') is None else format(r['warm_first_step_s'], '.1f')} "
-            f"| {'-' if r.get('mfu') is None else format(r['mfu'], '.1%')} | {s.get('unique_graphs', 0)} "
-            f"| {s.get('recompiles', 0)} | {s.get('graph_breaks', 0)} | {len(s.get('fallbacks', []))} |"
-        )
-    extra = [
-        cap_note(report),
-        auto_note(ran),
-        compile_profile_table(ran),
-        offload_table(ran),
-        parallel_table(ran),
-        gpu_time_table(ran),
-    ]
-    return "\n\n".join(["\n".join(lines), *(table for table in extra if table)])
-
-
-def cap_note(report: dict[str, Any]) -> str:
-    """What a run under --vram-cap-gib measured: a smaller card's memory at this GPU's speed."""
-    cap = report.get("settings", {}).get("vram_cap_gib")
-    if cap is None:
-        return ""
-    gpu = report.get("environment", {}).get("device_name", "the GPU it ran on")
-    return (
-        f"Under --vram-cap-gib {cap:g}: each process could allocate at most {cap:g} GiB per GPU, so the memory "
-        f"columns and OOM rows are what a {cap:g} GiB card would see, while the speeds are those of {gpu}."
-    )
-
-
-def auto_note(report: dict[str, Any]) -> str:
-    """What each +auto row chose, over which limit, and what its calibration measured."""
-    notes = []
-    for r in report["results"]:
-        auto = r["stats"].get("auto_budget")
-        if not auto:
-            continue
-        setting = f"budget {auto['budget']}"
-        if auto.get("offload_name"):
-            setting += f" at {auto['offload_name']} {auto['offload']:g}"
-        tried = ", ".join(
-            f"{row['budget']}" + ("" if row["offload"] is None else f"@{row['offload']:g}")
-            + (": OOM" if row["out_of_memory"] else f": {row['seconds']:.3f} s {row['peak_bytes'] / 2**30:.2f} GiB")
-            for row in auto["table"]
-        )
-        notes.append(
-            f"{r['mode']} chose {setting} ({'fits' if auto['fits'] else 'nothing fit'} {auto['limit_gib']:g} GiB; "
-            f"calibration {auto.get('calibration_seconds', 0):.1f} s{', cached' if auto['cached'] else ''}); "
-            f"measured budget@offload: {tried}."
-        )
-    return "\n\n".join(notes)
-
-
-def compile_profile_table(report: dict[str, Any]) -> str:
-    """With a warm start measured: each mode's first step cold and warm, split into compile
-    phases (compile_accel.compile_profile) and the rest of the step ("run": executing it)."""
-    lines = [
-        "| mode | start | first step s | compiling s | "
-        + " | ".join(f"{phase} s" for phase in PHASES)
-        + " | of which at first backward s | run s | inductor graphs from cache |",
-        "|---|---|---|---|" + "---|" * len(PHASES) + "---|---|---|",
-    ]
-    for r in report["results"]:
-        if r.get("warm_compile_times") is None:
-            continue
-        for start, first, times in (
-            ("cold", r["first_step_s"], r["stats"]["compile_times"]),
-            ("warm", r["warm_first_step_s"], r["warm_compile_times"]),
-        ):
-            looked_up = times["fx_graphs_compiled"] + times["fx_graphs_from_cache"]
-            lines.append(
-                f"| {r['mode']} | {start} | {first:.1f} | {times['total_s']:.1f} | "
-                + " | ".join(f"{times[f'{phase}_s']:.1f}" for phase in PHASES)
-                + f" | {times['lazy_backward_s']:.1f} | {max(first - times['total_s'], 0.0):.1f} "
-                f"| {times['fx_graphs_from_cache']} of {looked_up} |"
-            )
-    return "\n".join(lines) if len(lines) > 2 else ""
-
-
-def offload_table(report: dict[str, Any]) -> str:
-    """Rows with +offload: step time against the same mode without offload (compute only, when
-    it ran) and against the transfers alone; the overlap bar is step <= 1.15 x the larger."""
-    by_mode = {r["mode"]: r for r in report["results"]}
-    lines = [
-        "| mode | median s/step | compute-only s/step | transfer-only s | step / max(both) | GiB to GPU per step "
-        "| activations GiB per step | int8 output error |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in report["results"]:
-        offload = r["stats"].get("offload")
-        if offload is None:
-            continue
-        compute = by_mode.get(r["mode"].partition("+offload=")[0])
-        compute_s = compute["step_s_median"] if compute else None
-        bound = max(compute_s or 0.0, offload["transfer_only_s"])
-        error = offload.get("int8_output_rel_error")
-        lines.append(
-            f"| {r['mode']} | {r['step_s_median']:.4f} | {'-' if compute_s is None else format(compute_s, '.4f')} "
-            f"| {offload['transfer_only_s']:.4f} | {r['step_s_median'] / bound:.2f} "
-            f"| {offload['bytes_to_device_per_step'] / 2**30:.2f} "
-            f"| {offload['activation_bytes_offloaded_per_step'] / 2**30:.2f} "
-            f"| {'-' if error is None else format(error, '.2e')} |"
-        )
-    return "\n".join(lines) if len(lines) > 2 else ""
-
-
-def gpu_time_table(report: dict[str, Any]) -> str:
-    """Rows profiled with --profile-steps: GPU kernel time per step by kind, in ms, and the median
-    step less all kernel time (the GPU waiting on the host, when kernels do not overlap)."""
-    kinds = [kind for kind, _ in KERNEL_KINDS] + ["other"]
-    lines = [
-        f"| mode | median ms/step | {' | '.join(f'{kind} ms' for kind in kinds)} | all kernels ms | step less kernels ms |",
-        "|---|---|" + "---|" * (len(kinds) + 2),
-    ]
-    for r in report["results"]:
-        gpu_time = r["stats"].get("gpu_time_per_step_s")
-        if gpu_time is None:
-            continue
-        busy = sum(gpu_time.values())
-        cells = " | ".join(f"{gpu_time[kind] * 1e3:.1f}" for kind in kinds)
-        step_ms = r["step_s_median"] * 1e3
-        lines.append(f"| {r['mode']} | {step_ms:.1f} | {cells} | {busy * 1e3:.1f} | {step_ms - busy * 1e3:.1f} |")
-    return "\n".join(lines) if len(lines) > 2 else ""
-
-
-def parallel_table(report: dict[str, Any]) -> str:
-    """Rows with +ddp or +split: throughput against the same mode on one device (when it ran)."""
-    by_mode = {r["mode"]: r for r in report["results"]}
-    lines = [
-        "| mode | processes | devices | samples/s | vs one device | median s/step | peak of the busiest device |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in report["results"]:
-        if r.get("devices", 1) == 1:
-            continue
-        single = by_mode.get(r["mode"].split("+ddp=")[0].split("+split=")[0])
-        ratio = f"{r['samples_per_s'] / single['samples_per_s']:.2f}x" if single else "-"
-        lines.append(
-            f"| {r['mode']} | {r['processes']} | {r['devices']} | {r['samples_per_s']:.2f} | {ratio} "
-            f"| {r['step_s_median']:.4f} | {_format_bytes(r['peak_bytes'])} |"
-        )
-    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .benchmarks.runner import ModeSpec
+    from .benchmarks.modes import ModeSpec
 
 
 def _check_compile(device: str) -> str | None:
@@ -152,12 +152,14 @@ def bench(args: argparse.Namespace) -> int:
     import torch
 
     from .benchmarks import runner
+    from .benchmarks.modes import DEFAULT_MODES, parse_mode
+    from .benchmarks.report import markdown_table, measured
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    modes = args.modes.split(",") if args.modes else runner.DEFAULT_MODES
+    modes = args.modes.split(",") if args.modes else DEFAULT_MODES
     # Refusals come before the first mode runs, so a bad flag costs no compile.
     try:
-        specs = [runner.parse_mode(mode) for mode in modes]
+        specs = [parse_mode(mode) for mode in modes]
     except ValueError as error:
         return _refuse(str(error))
     if device == "cuda" and not torch.cuda.is_available():
@@ -175,18 +177,18 @@ def bench(args: argparse.Namespace) -> int:
         progress=lambda line: print(line, file=sys.stderr, flush=True),
         warm=args.warm or args.compile_profile,
     )
-    env, ran = report["environment"], runner.measured(report)
+    env, ran = report["environment"], measured(report)
     description = ran["results"][0]["description"] if ran["results"] else f"{args.model} (every mode ran out of memory)"
     print(
         f"\n{description}; {device} ({env['device_name']}), torch {env['torch']}; "
         f"median of {args.steps} steps after the first step and {args.warmup} warm-up steps\n"
     )
-    print(runner.markdown_table(report))
+    print(markdown_table(report))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "bench.json").write_text(json.dumps(report, indent=2))
-        (out / "bench.md").write_text(runner.markdown_table(report) + "\n")
+        (out / "bench.md").write_text(markdown_table(report) + "\n")
         print(f"\nwrote {out / 'bench.json'}, {out / 'bench.md'}{_plot(ran, out / 'bench.png')}")
     return 0
 
@@ -204,12 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="check this setup: torch, triton, compiler, GPU, supported features")
     b = sub.add_parser("bench", help="A/B compile settings on an embedded small DiT with LoRA")
-    b.add_argument(
-        "--modes",
-        help="comma-separated from: eager, eager+ckpt, whole+ckpt, selective+ckpt, blocks+ckpt, "
-        "blocks+budget=B, blocks+auto; each optionally followed by +offload=F[+act][+int8], +ddp=N or +split=N "
-        "(default: eager+ckpt,selective+ckpt,blocks+budget=0.5,blocks+budget=1.0)",
-    )
+    from .benchmarks.modes import DEFAULT_MODES, MODES_HELP
+
+    b.add_argument("--modes", help=f"comma-separated from: {MODES_HELP} (default: {','.join(DEFAULT_MODES)})")
     b.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if present, else cpu")
     b.add_argument("--out", help="directory for bench.json and bench.md")
     b.add_argument(

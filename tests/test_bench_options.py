@@ -18,7 +18,10 @@ import torch.nn as nn
 
 from compile_accel import cli
 from compile_accel.benchmarks import models, runner
+from compile_accel.benchmarks.measure import cap_gpu_memory
 from compile_accel.benchmarks.models import SdScriptsOptions
+from compile_accel.benchmarks.modes import ModeSpec, parse_mode
+from compile_accel.benchmarks.report import markdown_table
 from compile_accel.benchmarks.runner import BenchSettings, StepResult
 
 
@@ -130,7 +133,7 @@ def test_only_set_options_reach_the_model_builder(monkeypatch) -> None:
         raise Built
 
     monkeypatch.setitem(models.MODELS, "sdscripts-flux", builder)
-    spec = runner.parse_mode("eager+ckpt")
+    spec = parse_mode("eager+ckpt")
     for settings in (
         BenchSettings(model="sdscripts-flux", fp8_base=True, blocks_to_swap=2),
         BenchSettings(model="sdscripts-flux", lora_rank=8),
@@ -147,7 +150,7 @@ def test_the_cap_is_a_fraction_of_each_gpu(monkeypatch) -> None:
         torch.cuda, "get_device_properties", lambda gpu: argparse.Namespace(total_memory=totals[gpu.index])
     )
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, gpu: fractions.update({gpu.index: f}))
-    runner.cap_gpu_memory(24, [torch.device("cuda", 0), torch.device("cuda", 1)])
+    cap_gpu_memory(24, [torch.device("cuda", 0), torch.device("cuda", 1)])
     assert fractions == {0: pytest.approx(0.3), 1: 1.0}  # a GPU smaller than the cap is not capped below itself
 
 
@@ -156,11 +159,22 @@ def test_the_cap_is_a_fraction_of_each_gpu(monkeypatch) -> None:
 OOM_MESSAGE = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 24.00 GiB"
 
 
-def _result(spec: runner.ModeSpec, settings: BenchSettings, seconds: float) -> StepResult:
+def _result(spec: ModeSpec, settings: BenchSettings, seconds: float) -> StepResult:
     return StepResult(
-        spec.name, settings.model, "fake model", settings.device, settings.steps, seconds, seconds, 1.0,
-        3 * 2**30, "cuda max allocated", 4 * 2**30, 0.5, {"unique_graphs": 1},
-    )  # fmt: skip
+        mode=spec.name,
+        model=settings.model,
+        description="fake model",
+        device=settings.device,
+        steps=settings.steps,
+        step_s_median=seconds,
+        step_s_min=seconds,
+        first_step_s=1.0,
+        peak_bytes=3 * 2**30,
+        peak_kind="cuda max allocated",
+        reserved_bytes=4 * 2**30,
+        loss=0.5,
+        stats={"unique_graphs": 1},
+    )
 
 
 def _fake_modes(monkeypatch, outcomes: dict[str, float | BaseException]) -> None:
@@ -230,14 +244,14 @@ def test_the_table_says_once_what_a_capped_run_measured() -> None:
     settings = BenchSettings(model="sdscripts-flux", device="cuda", vram_cap_gib=24.0)
     row = {"mode": "eager+ckpt", "model": "sdscripts-flux", "device": "cuda", "oom": OOM_MESSAGE}
     report = {"environment": {"device_name": "NVIDIA H100 80GB HBM3"}, "settings": vars(settings), "results": [row]}
-    table = runner.markdown_table(report)
+    table = markdown_table(report)
     note = (
         "Under --vram-cap-gib 24: each process could allocate at most 24 GiB per GPU, so the memory columns and OOM "
         "rows are what a 24 GiB card would see, while the speeds are those of NVIDIA H100 80GB HBM3."
     )
     assert table.split("\n\n")[1] == note and table.count("--vram-cap-gib") == 1
     settings.vram_cap_gib = None
-    assert "--vram-cap-gib" not in runner.markdown_table({**report, "settings": vars(settings)})
+    assert "--vram-cap-gib" not in markdown_table({**report, "settings": vars(settings)})
 
 
 # ---- the sd-scripts models at small sizes ($SD_SCRIPTS_DIR) --------------------------------

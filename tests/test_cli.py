@@ -13,7 +13,10 @@ import pytest
 import torch
 
 from compile_accel import cli
-from compile_accel.benchmarks.runner import BenchSettings, gpu_time_table, kernel_kind, parse_mode, run_mode
+from compile_accel.benchmarks.measure import kernel_kind
+from compile_accel.benchmarks.modes import MODES_HELP, parse_mode
+from compile_accel.benchmarks.report import gpu_time_table
+from compile_accel.benchmarks.runner import BenchSettings, run_mode
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -110,7 +113,14 @@ def test_bench_warm_column_comes_from_a_cache_the_cold_run_filled(tmp_path) -> N
 def test_bench_refuses_an_unknown_mode_before_running() -> None:
     proc = _cli("bench", "--modes", "eager+ckpt,turbo")
     assert proc.returncode == 2
-    assert "unknown mode 'turbo'" in proc.stderr
+    assert f"unknown mode 'turbo'; modes: {MODES_HELP}" in proc.stderr
+
+
+def test_the_mode_grammar_in_the_docs_is_the_help_text() -> None:
+    """docs/bench.md quotes MODES_HELP (the --modes help and an unknown mode's error), so the
+    grammar cannot change in one place only; line breaks do not count."""
+    docs = (Path(__file__).parents[1] / "docs" / "bench.md").read_text()
+    assert MODES_HELP in " ".join(docs.split())
 
 
 @pytest.mark.parametrize(
