@@ -24,7 +24,6 @@ A torch without the knob keeps the lazy compile.
 
 from __future__ import annotations
 
-import importlib
 import threading
 from typing import Any, Callable
 
@@ -101,22 +100,18 @@ def _inner_backend(config: CompileConfig) -> Callable:
 
 
 def start_compile_workers() -> None:
-    """Start inductor's kernel-compile worker processes now, and import its compiler in the
-    background. torch starts the workers at the first graph it compiles, and while they start
-    (seconds) it compiles that graph's kernels one by one in this process; the import of
-    torch._inductor.compile_fx took 1.7 s of a warm first step on an H100. Started at apply(),
-    both overlap whatever the trainer does before the first block runs. Without triton (no
-    worker pool; CPU builds) nothing starts."""
-    from torch._inductor import async_compile
-    from torch.utils._triton import has_triton_package
+    """Start inductor's kernel-compile worker processes now. torch starts them at the first graph
+    it compiles, and while they start (seconds) it compiles that graph's kernels one by one in
+    this process; started at apply(), they are up by the first step. Without triton (no worker
+    pool; CPU builds), or in a torch without `maybe_warm_pool`, nothing starts.
 
-    if not has_triton_package():
-        return
+    (Importing inductor's compiler in a background thread as well was measured and dropped: it
+    took 1.7 s of a warm first step, but run beside the step it slowed dynamo's tracing more.)"""
+    from torch._inductor import async_compile
+
     warm_pool = getattr(async_compile, "maybe_warm_pool", None)
     if warm_pool is not None:
         warm_pool()
-    # An import error here would be raised again, with its traceback, by the first compile.
-    threading.Thread(target=importlib.import_module, args=("torch._inductor.compile_fx",), daemon=True).start()
 
 
 _running = threading.local()
