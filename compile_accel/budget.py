@@ -39,7 +39,7 @@ from .stats import Stats
 
 
 # CompileConfig.fast_compile. Measured on sd-scripts' Flux fp8, selective, cold, on an H100
-# (benchmarks/results/h100_compile_profile/knobs.md): inductor's pattern-matcher passes took
+# (benchmarks/results/h100_compile_profile/knobs/): inductor's pattern-matcher passes took
 # 3.6 s of a 26.9 s compile and the runtime autotuning of pointwise kernels 1.8 s, and the steps
 # compiled without them were not slower. Blocks call attention through SDPA and their matmuls
 # through extern kernels, which those passes would otherwise look for.
