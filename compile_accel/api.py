@@ -14,7 +14,7 @@ from torch.utils.hooks import RemovableHandle
 from . import checkpointing
 from .auto_budget import AutoBudget
 from .blocks import BlockList, resolve_block_lists
-from .budget import start_compile_workers
+from .backend import start_compile_workers
 from .compile_profile import CompileClock, CompileTimes
 from .config import CompileConfig
 from .offload import offload_fraction_ladder

@@ -42,7 +42,7 @@ class CompileConfig:
     exclude: glob patterns of submodule names (as in `model.named_modules()`) that are never
         compiled; inside a compiled region they run eager behind a graph break.
     fast_compile: compile the regions without inductor's pattern-matcher passes and without
-        autotuning pointwise kernels (compile_accel.budget.FAST_COMPILE_SETTINGS): seconds less
+        autotuning pointwise kernels (compile_accel.backend.FAST_COMPILE_SETTINGS): seconds less
         per block class, steps measured as fast. False compiles with inductor's defaults.
     """
 

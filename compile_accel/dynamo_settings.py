@@ -27,7 +27,7 @@ COMPILE_TAKES_RECOMPILE_LIMIT = "recompile_limit" in inspect.signature(torch.com
 PER_THREAD_DYNAMO_CONFIG = _version() >= (2, 12)
 HAS_BUDGET_KNOB = hasattr(torch._functorch.config, "activation_memory_budget")
 # AOTAutograd compiles a training graph's backward at the forward compile, not lazily at the
-# first backward (compile_accel.budget says why that matters).
+# first backward (compile_accel.backend says why that matters).
 HAS_EAGER_BACKWARD_KNOB = hasattr(torch._functorch.config, "force_non_lazy_backward_lowering")
 HAS_CACHE_ARTIFACTS = hasattr(torch.compiler, "save_cache_artifacts")
 

@@ -87,7 +87,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .auto_budget import OffloadLadder, spaced_levels
 from .blocks import resolve_block_lists
-from .budget import compiled_call_running
+from .backend import compiled_call_running
 from .checkpointing import under_saved_tensor_checkpoint
 from .int8 import Int8Matrices, Int8Matrix, quantize_int8, view_bytes
 from .stats import warn

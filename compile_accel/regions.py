@@ -7,10 +7,11 @@ function (every instance of a block class, every kohya-LoRA-patched Linear) shar
 `torch.compile` of that function, called with the instance as `self`: one graph per class
 and input shape, not one compile per instance.
 
-The dispatcher runs the region eager when its parameters are not on the device of its
-inputs (an offload conductor has it in host memory), or when the shared function could
-not be compiled for the region's class (its forward or backward graph raised in the compile,
-or dynamo compiled no graph).
+The region decides, per call, eager or compiled: eager when its parameters are not on the
+device of its inputs (an offload conductor has it in host memory), or when the shared function
+could not be compiled for the region's class (its forward or backward graph raised in the
+compile, or dynamo compiled no graph). The CompiledFunction runs the compiled call and accounts
+for it (inputs in one layout, compile time, graph breaks, fallbacks).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from .budget import RegionBackend
+from .backend import RegionBackend
 from .checkpointing import under_saved_tensor_checkpoint
 from .config import CompileConfig
 from .dynamo_settings import COMPILE_TAKES_RECOMPILE_LIMIT, ensure_thread_settings
@@ -108,6 +109,58 @@ class CompiledFunction:
                 "overrides the budget there (full list in stats()['still_checkpointed'])"
             )
 
+    def run(self, region: Region, args: tuple, kwargs: dict) -> Any:
+        """Call the compiled function for `region` (compiling on a new input signature) and
+        account for it: compile time and graph breaks in the stats, a compile error or a call
+        that compiled no graph makes the region's class fall back to eager (this call included)."""
+        ensure_thread_settings(self.recompile_limit)
+        module = region.module
+        args, kwargs, aliased_views = _canonical_inputs(args, kwargs, module.training and torch.is_grad_enabled())
+        stats = self.stats
+        graphs, breaks, start = stats.graphs, graph_break_total(), time.perf_counter()
+        context = (type(module), torch.is_grad_enabled())
+        new_context = context not in self.compiled_contexts
+        break_reasons = dict(torch._dynamo.utils.counters["graph_break"]) if new_context else None
+        if new_context:  # the first compile of a block class takes seconds to minutes: say so
+            logger.info("compiling %s (%s) ...", context[0].__name__, "training" if context[1] else "no grad")
+        try:
+            if region.owner is None:
+                out = self.compiled(*args, **kwargs)
+            else:
+                out = self.compiled(region.owner, *args, **kwargs)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            # fullgraph=True turns the limit into an error; the watcher has warned and counted.
+            return region.eager(*args, **kwargs)
+        except torch._dynamo.exc.TorchDynamoException as error:
+            # A call that is wrong in itself (a bad input shape) raises eager too, with the real
+            # error, and compiling stays on. The compile includes the backward graph's
+            # (compile_accel.backend): this eager call gives the step eager's gradients.
+            out = region.eager(*args, **kwargs)
+            self.fail(_failure_reason(error), type(module))
+            return out
+        if any(alias._version != version for alias, version in aliased_views):
+            raise RuntimeError(
+                f"compile_accel: {region.name} changed a view or non-contiguous input in place; compiled regions get "
+                "such inputs as plain (or copied) tensors, so the change or its base's gradient would be lost. "
+                "Leave the module eager (CompileConfig.exclude)."
+            )
+        new_breaks = graph_break_total() - breaks
+        if stats.graphs != graphs or new_breaks:
+            stats.compile_seconds += time.perf_counter() - start
+            stats.graph_breaks += new_breaks
+        if stats.graphs != graphs:
+            if new_context:
+                logger.info("compiled %s in %.1f s", context[0].__name__, time.perf_counter() - start)
+            self.compiled_contexts.add(context)
+            if self.backend.saw_checkpoint:
+                self.backend.saw_checkpoint = False
+                self.note_still_checkpointed(self.regions, "their forward calls torch.utils.checkpoint")
+        elif break_reasons is not None and not torch.compiler.is_compiling():
+            # Dynamo ran the whole forward eager: typically a graph break inside a checkpoint,
+            # which makes dynamo run the entire checkpointed call eager.
+            self.fail(_no_graph_reason(break_reasons), type(module))
+        return out
+
     def _on_recompile_limit(self, reason: str) -> None:
         self.stats.recompile_limit_hits += 1
         warn(
@@ -151,7 +204,7 @@ def _no_graph_reason(break_reasons_before: dict[str, int]) -> str:
 # these helpers run on every call.
 
 
-def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+def _top_level_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
 
 
@@ -266,7 +319,6 @@ class Region:
         self.shared = shared
         self.eager = getattr(spec.module, spec.method)
         self.owner = _split_method(self.eager)[1]
-        self.recompile_limit = config.recompile_limit
         self.check_outer_checkpoint = config.activation_memory_budget is not None
         self.calls = 0
         self._tensor_dicts: list[dict[str, torch.Tensor | None]] = []
@@ -303,7 +355,7 @@ class Region:
         shared = self.shared
         if type(self.module) in shared.failed_kinds:
             return self.eager(*args, **kwargs)
-        if not self._resident(_tensors(args, kwargs)):
+        if not self._resident(_top_level_tensors(args, kwargs)):
             shared.stats.eager_nonresident_calls += 1
             return self.eager(*args, **kwargs)
         if self.check_outer_checkpoint:
@@ -311,49 +363,4 @@ class Region:
             self.check_outer_checkpoint = under is None
             if under:
                 shared.note_still_checkpointed([self.name], "called inside torch.utils.checkpoint")
-        ensure_thread_settings(self.recompile_limit)
-        args, kwargs, aliased_views = _canonical_inputs(args, kwargs, self.module.training and torch.is_grad_enabled())
-        stats = shared.stats
-        graphs, breaks, start = stats.graphs, graph_break_total(), time.perf_counter()
-        context = (type(self.module), torch.is_grad_enabled())
-        new_context = context not in shared.compiled_contexts
-        break_reasons = dict(torch._dynamo.utils.counters["graph_break"]) if new_context else None
-        if new_context:  # the first compile of a block class takes seconds to minutes: say so
-            logger.info("compiling %s (%s) ...", context[0].__name__, "training" if context[1] else "no grad")
-        try:
-            if self.owner is None:
-                out = shared.compiled(*args, **kwargs)
-            else:
-                out = shared.compiled(self.owner, *args, **kwargs)
-        except torch._dynamo.exc.FailOnRecompileLimitHit:
-            # fullgraph=True turns the limit into an error; the watcher has warned and counted.
-            return self.eager(*args, **kwargs)
-        except torch._dynamo.exc.TorchDynamoException as error:
-            # A call that is wrong in itself (a bad input shape) raises eager too, with the real
-            # error, and compiling stays on. The compile includes the backward graph's
-            # (compile_accel.budget): this eager call gives the step eager's gradients.
-            out = self.eager(*args, **kwargs)
-            shared.fail(_failure_reason(error), type(self.module))
-            return out
-        if any(alias._version != version for alias, version in aliased_views):
-            raise RuntimeError(
-                f"compile_accel: {self.name} changed a view or non-contiguous input in place; compiled regions get "
-                "such inputs as plain (or copied) tensors, so the change or its base's gradient would be lost. "
-                "Leave the module eager (CompileConfig.exclude)."
-            )
-        new_breaks = graph_break_total() - breaks
-        if stats.graphs != graphs or new_breaks:
-            stats.compile_seconds += time.perf_counter() - start
-            stats.graph_breaks += new_breaks
-        if stats.graphs != graphs:
-            if new_context:
-                logger.info("compiled %s in %.1f s", context[0].__name__, time.perf_counter() - start)
-            shared.compiled_contexts.add(context)
-            if shared.backend.saw_checkpoint:
-                shared.backend.saw_checkpoint = False
-                shared.note_still_checkpointed(shared.regions, "their forward calls torch.utils.checkpoint")
-        elif break_reasons is not None and not torch.compiler.is_compiling():
-            # Dynamo ran the whole forward eager: typically a graph break inside a checkpoint,
-            # which makes dynamo run the entire checkpointed call eager.
-            shared.fail(_no_graph_reason(break_reasons), type(self.module))
-        return out
+        return shared.run(self, args, kwargs)

@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 import compile_accel
 from compile_accel import CompileConfig
-from compile_accel.budget import FAST_COMPILE_SETTINGS
+from compile_accel.backend import FAST_COMPILE_SETTINGS
 from compile_accel.memory import SavedActivationMeter
 
 
