@@ -17,7 +17,7 @@ compile_accel.distributed.apply_ddp; the same batch on each, reported as samples
 `+split=N` (the blocks placed across N GPUs by compile_accel.placement.split_blocks; the
 peak is the largest of the GPUs'), e.g. `blocks+budget=0.5+ddp=2`.
 
-Any mode can end in `+offload=F` (LayerOffloadConductor streaming the first F of the blocks
+Any mode can end in `+offload=F` (BlockOffloadConductor streaming the first F of the blocks
 from pinned host memory), optionally followed by `+act` (activation offload) and `+int8`
 (int8 weight streaming), e.g. `blocks+ckpt+offload=0.9+act`. Those rows also report the bytes
 sent per step, the time the same transfers take with no compute, and for int8 the output
@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from compile_accel import CompileConfig, LayerOffloadConductor
+from compile_accel import BlockOffloadConductor, CompileConfig
 from compile_accel.compile_cache import load_compile_cache, save_compile_cache
 from compile_accel.distributed import apply_ddp
 from compile_accel.memory import SavedActivationMeter
@@ -366,7 +366,7 @@ def _inference_output(bench: BenchModel, device: str) -> torch.Tensor:
 
 
 @torch.no_grad()  # visits with no forward behind them: nothing for backward to come back for
-def transfer_only_seconds(conductor: LayerOffloadConductor, repeats: int = 3) -> float:
+def transfer_only_seconds(conductor: BlockOffloadConductor, repeats: int = 3) -> float:
     """The weight copies of one training step (forward order, then backward's) with no compute."""
     order = [*range(len(conductor.blocks)), *reversed(range(len(conductor.blocks)))]
     times = []
@@ -374,7 +374,7 @@ def transfer_only_seconds(conductor: LayerOffloadConductor, repeats: int = 3) ->
         conductor.synchronize()
         start = time.perf_counter()
         for index in order:
-            conductor.before_layer(index)
+            conductor.before_block(index)
         conductor.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
@@ -442,7 +442,7 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
         split_blocks(model, gpus if device == "cuda" else ["cpu"] * spec.split)
     conductor = None
     if spec.offload is not None:
-        conductor = LayerOffloadConductor(
+        conductor = BlockOffloadConductor(
             spec.offload.fraction,
             device=device,
             activation_offload=spec.offload.activation_offload,

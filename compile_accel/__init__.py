@@ -9,7 +9,15 @@ print(acc.stats()); acc.restore()
 from .api import Acceleration, apply
 from .blocks import BlockList, find_block_lists
 from .config import CompileConfig
-from .offload import LayerOffloadConductor
+from .offload import BlockOffloadConductor, LayerOffloadConductor
 
-__all__ = ["Acceleration", "BlockList", "CompileConfig", "LayerOffloadConductor", "apply", "find_block_lists"]
+__all__ = [
+    "Acceleration",
+    "BlockList",
+    "BlockOffloadConductor",
+    "CompileConfig",
+    "LayerOffloadConductor",
+    "apply",
+    "find_block_lists",
+]
 __version__ = "0.1.0"
