@@ -3,7 +3,7 @@
 import compile_accel
 acc = compile_accel.apply(model, compile_accel.CompileConfig(mode="blocks", activation_memory_budget=0.5))
 ...train...
-print(acc.stats()); acc.restore()
+print(acc.stats()); acc.remove()
 """
 
 from .api import Acceleration, apply

@@ -301,7 +301,7 @@ class AutoBudget:
         self.handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
 
     def remove(self) -> None:
-        """Calibrate never (restore() calls this)."""
+        """Calibrate never (Acceleration.remove() calls this)."""
         self.handle.remove()
 
     def _hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
