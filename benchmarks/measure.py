@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from compile_accel import LayerOffloadConductor
+from compile_accel import BlockOffloadConductor
 
 from .models import BenchModel
 
@@ -93,7 +93,7 @@ def step_flops(bench: BenchModel) -> int | None:
 
 
 @torch.no_grad()  # visits with no forward behind them: nothing for backward to come back for
-def transfer_only_seconds(conductor: LayerOffloadConductor, repeats: int = 3) -> float:
+def transfer_only_seconds(conductor: BlockOffloadConductor, repeats: int = 3) -> float:
     """The weight copies of one training step (forward order, then backward's) with no compute."""
     order = [*range(len(conductor.blocks)), *reversed(range(len(conductor.blocks)))]
     times = []
@@ -101,7 +101,7 @@ def transfer_only_seconds(conductor: LayerOffloadConductor, repeats: int = 3) ->
         conductor.synchronize()
         start = time.perf_counter()
         for index in order:
-            conductor.before_layer(index)
+            conductor.before_block(index)
         conductor.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times)

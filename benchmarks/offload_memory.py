@@ -3,7 +3,7 @@
     python -m benchmarks.offload_memory --model flux --res 2048 --mode blocks [--budget 0.0]
 
 Builds the bench model with checkpointing (or, with --budget, blocks compiled under that
-activation memory budget instead) and a LayerOffloadConductor (activation offload on),
+activation memory budget instead) and a BlockOffloadConductor (activation offload on),
 runs two steps, then prints what stays allocated between steps, by owner, and for one more step
 the bytes allocated when each block is visited and the highest peak between two visits.
 """
@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from compile_accel import CompileConfig, LayerOffloadConductor
+from compile_accel import BlockOffloadConductor, CompileConfig
 
 from .models import MODELS
 
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.budget is None:
         bench.enable_checkpointing()
     bench.accelerate(model, dataclasses.replace(config, exclude=bench.exclude))
-    conductor = LayerOffloadConductor(args.offload_fraction, activation_offload=True).attach(model)
+    conductor = BlockOffloadConductor(args.offload_fraction, activation_offload=True).attach(model)
     torch.cuda.empty_cache()
     optimizer = torch.optim.AdamW(bench.lora_params, lr=1e-4)
 
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     lora = {id(p) for p in bench.lora_params}
     at_rest = {
         "resident blocks' frozen weights": sum(b.home.numel() for b in conductor.blocks if b.home is not None),
-        "slots for streamed blocks": sum(s.numel() for s in conductor._slots),
+        "slots for streamed blocks": sum(s.numel() for s in conductor._slots.buffers),
         "LoRA weights": sum(p.numel() * p.element_size() for p in bench.lora_params),
         "optimizer state": sum(
             t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if t.is_cuda
@@ -84,19 +84,19 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {name:45s} {nbytes / GiB:6.3f} GiB")
 
     visits = []  # (block, in backward, allocated on entry, peak since the previous visit)
-    before_layer = conductor.before_layer
+    before_block = conductor.before_block
 
     def traced(index: int, inputs=()) -> None:
         backward = torch._C._current_graph_task_id() != -1
         visits.append((index, backward, torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()))
         torch.cuda.reset_peak_memory_stats()
-        before_layer(index, inputs)
+        before_block(index, inputs)
 
-    conductor.before_layer = traced
+    conductor.before_block = traced
     torch.cuda.reset_peak_memory_stats()
     step()
     torch.cuda.synchronize()
-    conductor.before_layer = before_layer
+    conductor.before_block = before_block
     visits.append((None, True, torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()))
     for backward in (False, True):
         entries = " ".join(f"{v[2] / GiB:.2f}" for v in visits[:-1] if v[1] == backward)

@@ -7,7 +7,7 @@ state, and collects the JSON line each child prints last; benchmarks/report.py t
 A mode ending in `+ddp=N` runs N data-parallel processes, one per GPU, through torchrun and
 compile_accel.distributed.apply_ddp, the same batch on each, reported as samples/s; `+split=N`
 places the blocks across N GPUs by compile_accel.placement.split_blocks, the peak being the
-largest of the GPUs'. `+offload=F` attaches a LayerOffloadConductor streaming the first F of the
+largest of the GPUs'. `+offload=F` attaches a BlockOffloadConductor streaming the first F of the
 blocks from pinned host memory (`+act`: activation offload, `+int8`: int8 weight streaming);
 those rows also report the bytes sent per step, the time the same transfers take with no
 compute, and for int8 the output error against the bf16 weights.
@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from compile_accel import LayerOffloadConductor
+from compile_accel import BlockOffloadConductor
 from compile_accel.compile_cache import load_compile_cache, save_compile_cache
 from compile_accel.distributed import apply_ddp
 from compile_accel.memory import SavedActivationMeter
@@ -252,7 +252,7 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
         split_blocks(model, gpus if device == "cuda" else ["cpu"] * spec.split)
     conductor = None
     if spec.offload is not None:
-        conductor = LayerOffloadConductor(
+        conductor = BlockOffloadConductor(
             spec.offload.fraction,
             device=device,
             activation_offload=spec.offload.activation_offload,

@@ -3,13 +3,21 @@
 import compile_accel
 acc = compile_accel.apply(model, compile_accel.CompileConfig(mode="blocks", activation_memory_budget=0.5))
 ...train...
-print(acc.stats()); acc.restore()
+print(acc.stats()); acc.remove()
 """
 
 from .api import Acceleration, apply
 from .blocks import BlockList, find_block_lists
 from .config import CompileConfig
-from .offload import LayerOffloadConductor
+from .offload import BlockOffloadConductor, LayerOffloadConductor
 
-__all__ = ["Acceleration", "BlockList", "CompileConfig", "LayerOffloadConductor", "apply", "find_block_lists"]
+__all__ = [
+    "Acceleration",
+    "BlockList",
+    "BlockOffloadConductor",
+    "CompileConfig",
+    "LayerOffloadConductor",
+    "apply",
+    "find_block_lists",
+]
 __version__ = "0.1.0"

@@ -60,15 +60,17 @@ class Acceleration:
         self._eager_patches = eager_patches
         self._switches = switches
         self._stats = stats
-        self._restored = False
-        self._on_restore: list[Callable[[], None]] = []
+        self._removed = False
+        self._on_remove: list[Callable[[], None]] = []
         self.auto_budget: AutoBudget | None = None
         self._compile_clock = CompileClock()
 
-    def on_restore(self, callback: Callable[[], None]) -> None:
-        """Run `callback` in restore() (after the regions are gone; last added, first run).
+    def on_remove(self, callback: Callable[[], None]) -> None:
+        """Run `callback` in remove() (after the regions are gone; last added, first run).
         Integrations use it to undo what they changed around `apply`."""
-        self._on_restore.append(callback)
+        self._on_remove.append(callback)
+
+    on_restore = on_remove  # the old name
 
     def stats(self) -> dict[str, Any]:
         """Counters since apply(): regions, compiled_regions, unique_graphs, recompiles,
@@ -91,9 +93,9 @@ class Acceleration:
         """Where this process's compile time since apply() went: phases and cache hits."""
         return self._compile_clock.since()
 
-    def restore(self) -> None:
+    def remove(self) -> None:
         """Put the model back to plain eager execution (and its checkpointing as it was)."""
-        if self._restored:
+        if self._removed:
             return
         for region in self.regions:
             region.uninstall()
@@ -101,10 +103,12 @@ class Acceleration:
             patch.uninstall()
         for switch in self._switches:
             switch.restore()
-        for callback in reversed(self._on_restore):
+        for callback in reversed(self._on_remove):
             callback()
         self.model.__dict__.pop(_MARK, None)
-        self._restored = True
+        self._removed = True
+
+    restore = remove  # the old name
 
     def __repr__(self) -> str:
         return f"Acceleration(mode={self.config.mode!r}, regions={len(self.regions)}, blocks={[b.path for b in self.block_lists]})"
@@ -116,7 +120,7 @@ def _check_model(model: nn.Module) -> None:
     if _MARK in model.__dict__:
         raise RuntimeError(
             f"compile_accel.apply() was already called on this {type(model).__name__}; "
-            "call .restore() on the Acceleration it returned before applying again"
+            "call .remove() on the Acceleration it returned before applying again"
         )
     meta = [name for name, p in model.named_parameters() if p.is_meta]
     if meta:
@@ -154,7 +158,7 @@ def apply(
 
     Call it after LoRA/adapters are applied and before the first training step. It changes
     no parameter and no state-dict key. A second call on the same model raises; call
-    `restore()` first. Bad input raises before anything is changed. A model a shipped
+    `remove()` first. Bad input raises before anything is changed. A model a shipped
     integration knows (a diffusers transformer of `integrations.diffusers.ADAPTERS`, an
     sd-scripts model of `integrations.sd_scripts.FAMILIES`) gets that integration's adapter,
     as its own `apply` gives it, and the log says so; `blocks` given, or any other model,
@@ -260,8 +264,8 @@ def apply_blocks(
             acceleration.signature,
             lambda device: offload_fraction_ladder(blocks),
         )
-        acceleration.on_restore(acceleration.auto_budget.remove)
-    acceleration.on_restore(_watch_uncalled_regions(model, regions, stats).remove)
+        acceleration.on_remove(acceleration.auto_budget.remove)
+    acceleration.on_remove(_watch_uncalled_regions(model, regions, stats).remove)
     model.__dict__[_MARK] = acceleration
     return acceleration
 
@@ -292,7 +296,7 @@ def apply_prepared(
     prepare: Callable[[nn.Module], Callable[[], None]] | None,
 ) -> Acceleration:
     """`apply` after an integration's rewrite of the model: `prepare(model)` returns its undo,
-    which `restore()` runs, or which runs at once if `apply` raises. Mode "off" leaves the model
+    which `remove()` runs, or which runs at once if `apply` raises. Mode "off" leaves the model
     as it is, rewrite included (the eager baseline of a benchmark)."""
     config = _checked_config(config)
     _check_model(model)  # before the rewrite: a second apply must not touch the first one's
@@ -304,5 +308,5 @@ def apply_prepared(
             undo()
         raise
     if undo:
-        acceleration.on_restore(undo)
+        acceleration.on_remove(undo)
     return acceleration

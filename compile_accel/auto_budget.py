@@ -19,7 +19,7 @@ Budgets are tried from the smallest up; once one runs out of memory or peaks ove
 the larger ones (which keep more) are not tried.
 
 Joint search with offloading: when an offload ladder is known (sd-scripts' `--blocks_to_swap`
-through the sd-scripts integration, or a LayerOffloadConductor attached to the blocks: its
+through the sd-scripts integration, or a BlockOffloadConductor attached to the blocks: its
 `offload_fraction`) and no budget fits with the blocks as they are, the ladder is climbed: the
 fewest blocks offloaded at which some budget fits is found by bisection (memory only falls as
 more is offloaded), then one more rung is tried as long as it is faster (a rung more may let a
@@ -255,7 +255,7 @@ class AutoBudget:
         self.handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
 
     def remove(self) -> None:
-        """Calibrate never (restore() calls this)."""
+        """Calibrate never (Acceleration.remove() calls this)."""
         self.handle.remove()
 
     def _hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:

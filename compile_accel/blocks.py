@@ -72,7 +72,7 @@ def resolve_block_lists(model: nn.Module, spec: Sequence[str | nn.ModuleList] | 
             raise ValueError(
                 f"{type(model).__name__} has no repeated blocks (no ModuleList of two or more modules of one class); "
                 "name them: apply(model, config, blocks=[...]) takes their attribute paths, "
-                "LayerOffloadConductor.attach() a ModuleList or a list of blocks"
+                "BlockOffloadConductor.attach() a ModuleList or a list of blocks"
             )
         return found
     if isinstance(spec, (str, nn.ModuleList)):

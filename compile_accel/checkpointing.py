@@ -4,7 +4,7 @@ A checkpoint inside (or around) a budgeted block makes the partitioner's choice 
 discards every activation and recomputes the whole block. Trainers switch checkpointing with
 a `gradient_checkpointing` flag, either on each block (kohya sd-scripts' mixins) or on the
 module that loops over the blocks (diffusers models); both are turned off here and put back
-by `restore()`.
+by `Acceleration.remove()`.
 """
 
 from __future__ import annotations

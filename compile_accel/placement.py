@@ -52,7 +52,7 @@ def balanced_split(sizes: Sequence[int], parts: int) -> list[int]:
 
 @dataclass
 class BlockPlacement:
-    """Where each block went, and the hooks that move tensors; `undo()` puts it all back."""
+    """Where each block went, and the hooks that move tensors; `remove()` puts it all back."""
 
     devices: list[torch.device]
     block_devices: dict[str, torch.device]
@@ -61,11 +61,13 @@ class BlockPlacement:
     handles: list[RemovableHandle] = field(default_factory=list)
     delegates: list[nn.Module] = field(default_factory=list)
 
-    def undo(self) -> None:
+    def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
         for module in [self.model, *self.delegates]:
             module.to(self.original_device)
+
+    undo = remove  # the old name
 
 
 def _delegates(block: nn.Module) -> list[nn.Module]:

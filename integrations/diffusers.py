@@ -8,7 +8,7 @@ rotate in real arithmetic instead (checked against the complex form in the tests
     acceleration = accel_diffusers.apply(transformer, CompileConfig(mode="blocks", activation_memory_budget=0.5))
 
 The model's own `gradient_checkpointing` flag (diffusers checkpoints blocks from the model's
-loop) is what compile_accel switches off when a budget replaces it, and `restore()` undoes
+loop) is what compile_accel switches off when a budget replaces it, and `remove()` undoes
 everything done here. Other diffusers models work with `compile_accel.apply` directly: their
 `_repeated_blocks` / `_no_split_modules` name the blocks.
 """

@@ -129,7 +129,7 @@ def block_swap_ladder(
         _set_blocks_to_swap(model, int(count), device)
         if count and not start and not hooked:
             hooked.append(_prepare_swap_after_no_grad_forwards(model))
-            acceleration.on_restore(hooked[0])
+            acceleration.on_remove(hooked[0])
 
     levels = spaced_levels(start, max(start, family.most_swapped(model)), whole=True)
     return OffloadLadder("blocks_to_swap", levels, set_level)
@@ -267,7 +267,7 @@ def _block_lists(model: nn.Module, family: Family) -> list[str]:
 def apply(model: nn.Module, config: CompileConfig) -> Acceleration:
     """compile_accel.apply on an sd-scripts model: its family's block lists (and adapter), or
     the repeated blocks compile_accel finds for a class without one. Call it after LoRA's
-    apply_to, before the first step; `restore()` undoes the adapter too. With
+    apply_to, before the first step; `remove()` undoes the adapter too. With
     activation_memory_budget="auto", a model with block swap (Flux, SD3, Lumina 2) swaps more
     blocks when no budget fits (see block_swap_ladder)."""
     family = FAMILIES.get(type(model).__name__)

@@ -11,7 +11,7 @@ from conftest import build, inputs_for, lora_step, relative_error
 
 import compile_accel
 from compile_accel import CompileConfig
-from compile_accel import LayerOffloadConductor
+from compile_accel import BlockOffloadConductor
 from compile_accel.auto_budget import CANDIDATES, GIB, AutoBudget, Measurement, OffloadLadder, cache_path, choose
 from compile_accel.stats import Stats
 
@@ -338,7 +338,7 @@ def test_auto_raises_the_conductors_offload_fraction_and_training_matches_eager(
     inputs = inputs_for(model)
     expected_loss, expected_grads = lora_step(model, params, inputs)
     blocks = [*model.double_blocks, *model.single_blocks]
-    conductor = LayerOffloadConductor(offload_fraction=0.0, device="cpu").attach(blocks)
+    conductor = BlockOffloadConductor(offload_fraction=0.0, device="cpu").attach(blocks)
     acceleration = _auto(model, 2.0, [], candidates=(0.0,))
 
     def measure(run, device, parameters):
@@ -353,7 +353,7 @@ def test_auto_raises_the_conductors_offload_fraction_and_training_matches_eager(
     assert conductor.offload_fraction == result["offload"] >= 0.5 and conductor.stats()["streamed_blocks"] >= 2
     assert relative_error(loss, expected_loss) < 1e-4
     assert all(relative_error(g, e) < 1e-4 for g, e in zip(grads, expected_grads, strict=True))
-    conductor.detach()
+    conductor.remove()
 
 
 def test_a_cache_file_that_is_not_a_json_object_warns_and_is_rewritten() -> None:

@@ -50,7 +50,7 @@ def test_lower_budget_saves_fewer_activation_bytes_also_after_a_recompile() -> N
     assert torch._functorch.config.activation_memory_budget == default_budget
 
 
-def test_budget_turns_model_checkpointing_off_and_restore_turns_it_back_on() -> None:
+def test_budget_turns_model_checkpointing_off_and_remove_turns_it_back_on() -> None:
     model, params = build("kohya", "non-reentrant")
     acceleration = compile_accel.apply(model, CompileConfig(mode="blocks", activation_memory_budget=0.5))
     blocks = [*model.double_blocks, *model.single_blocks]
@@ -63,7 +63,7 @@ def test_budget_turns_model_checkpointing_off_and_restore_turns_it_back_on() -> 
     ]
     model(*inputs_for(model)).square().mean().backward()
     assert acceleration.stats()["still_checkpointed"] == []
-    acceleration.restore()
+    acceleration.remove()
     assert all(b.gradient_checkpointing for b in blocks)
 
 
@@ -135,7 +135,7 @@ def test_budget_warns_when_the_switch_it_turns_off_also_checkpoints_excluded_blo
     with pytest.warns(RuntimeWarning, match=r"also checkpoint blocks left eager .*\(blocks\.1\)"):
         acceleration = compile_accel.apply(model, config)
     assert acceleration.stats()["checkpointing_switched_off"] == ["_OneSwitchStack"]
-    acceleration.restore()
+    acceleration.remove()
     assert model.gradient_checkpointing is True
 
 

@@ -1,5 +1,5 @@
 """diffusers adapters on small configs: real-valued RoPE parity, LoRA-gradient parity, one
-graph per block class, and restore()."""
+graph per block class, and remove()."""
 
 from __future__ import annotations
 
@@ -106,13 +106,13 @@ def test_lumina2_lora_gradients_match_eager_with_one_graph_per_block_kind(config
     assert deeper_acceleration.stats()["unique_graphs"] == stats["unique_graphs"]
 
 
-def test_lumina2_restore_undoes_the_rotary_rewrite() -> None:
+def test_lumina2_remove_undoes_the_rotary_rewrite() -> None:
     model, params, inputs = _lumina2()
     expected_loss, _ = _step(model, params, inputs)
-    before = transformer_lumina2.apply_rotary_emb  # still rewritten if an earlier model was not restored
+    before = transformer_lumina2.apply_rotary_emb  # still rewritten if an earlier model's acceleration was not removed
     acceleration = accel_diffusers.apply(model, CompileConfig(mode="selective"))  # rewrites now, compiles on call
     assert transformer_lumina2.apply_rotary_emb is not embeddings.apply_rotary_emb
-    acceleration.restore()
+    acceleration.remove()
     assert transformer_lumina2.apply_rotary_emb is before
     assert "forward" not in model.rope_embedder.__dict__
     assert torch.equal(_step(model, params, inputs)[0], expected_loss)
@@ -127,10 +127,10 @@ def test_compile_accel_apply_gives_a_known_model_its_integrations_adapter(caplog
     assert "Lumina2Transformer2DModel is known to the diffusers integration" in caplog.text
     assert sorted(b.path for b in acceleration.block_lists) == ["context_refiner", "layers", "noise_refiner"]
     assert transformer_lumina2.apply_rotary_emb is not embeddings.apply_rotary_emb  # the adapter's rewrite
-    acceleration.restore()
+    acceleration.remove()
     explicit = compile_accel.apply(model, CompileConfig(mode="blocks"), blocks=["layers"])
     assert [b.path for b in explicit.block_lists] == ["layers"] and "forward" not in model.rope_embedder.__dict__
-    explicit.restore()
+    explicit.remove()
 
 
 def test_mode_off_leaves_lumina2_untouched() -> None:
@@ -141,7 +141,7 @@ def test_mode_off_leaves_lumina2_untouched() -> None:
     acceleration = accel_diffusers.apply(model, CompileConfig(mode="off"))
     assert transformer_lumina2.apply_rotary_emb is before
     assert "forward" not in model.rope_embedder.__dict__
-    acceleration.restore()
+    acceleration.remove()
 
 
 def test_bad_config_leaves_lumina2_untouched() -> None:
@@ -326,5 +326,5 @@ def test_unet_adapter_compiles_resblocks_attentions_and_resamplers_and_switches_
         assert sum(type(r.module).__name__ == kind for r in acceleration.regions) == everywhere
     switched = acceleration.stats()["checkpointing_switched_off"]
     assert switched and all(not unet.get_submodule(name).gradient_checkpointing for name in switched)
-    acceleration.restore()
+    acceleration.remove()
     assert all(unet.get_submodule(name).gradient_checkpointing for name in switched)

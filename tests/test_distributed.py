@@ -134,7 +134,7 @@ def test_split_refuses_missing_devices_and_bad_splits_without_moving_anything() 
     assert not any(block._forward_pre_hooks for block in model.blocks)
 
 
-def test_split_places_blocks_and_kohya_lora_and_undo_removes_the_hooks() -> None:
+def test_split_places_blocks_and_kohya_lora_and_remove_takes_the_hooks_off() -> None:
     from conftest import build, inputs_for
 
     model, params = build("kohya", None)
@@ -143,5 +143,13 @@ def test_split_places_blocks_and_kohya_lora_and_undo_removes_the_hooks() -> None
     placement = split_blocks(model, ["cpu", "cpu"])  # the plumbing; devices are checked on 2 GPUs
     assert len(placement.block_devices) == 4 and len(placement.delegates) == 12  # every LoRA module
     torch.testing.assert_close(model(*x), expected)
-    placement.undo()
+    placement.remove()
     assert not any(b._forward_pre_hooks or b._forward_hooks for b in [*model.double_blocks, *model.single_blocks])
+
+
+def test_undo_still_puts_the_placement_back_under_its_old_name() -> None:
+    from test_offload import Stack
+
+    model = Stack(n=4)
+    split_blocks(model, ["cpu", "cpu"]).undo()
+    assert not any(block._forward_pre_hooks or block._forward_hooks for block in model.blocks)

@@ -126,9 +126,10 @@ def test_streamed_compiled_blocks_match_resident_eager_without_recompiles(
     want of its weights), no recompiles after the first step."""
     from test_offload import stack_inputs, step
 
-    from compile_accel import LayerOffloadConductor, offload
+    from compile_accel import BlockOffloadConductor
+    from compile_accel.offload import activations
 
-    monkeypatch.setattr(offload, "MIN_ACTIVATION_BYTES", 0)
+    monkeypatch.setattr(activations, "MIN_ACTIVATION_BYTES", 0)
     model, reference = _cuda_stack(kind=kind)
     if budget is not None:
         model.checkpointing = None
@@ -136,7 +137,7 @@ def test_streamed_compiled_blocks_match_resident_eager_without_recompiles(
     holder.blocks = model.blocks
     config = CompileConfig(mode="blocks", activation_memory_budget=budget)
     acceleration = compile_accel.apply(holder, config, blocks=["blocks"])
-    conductor = LayerOffloadConductor(offload_fraction=0.67, activation_offload=True).attach(model.blocks)
+    conductor = BlockOffloadConductor(offload_fraction=0.67, activation_offload=True).attach(model.blocks)
     assert all(b.host.is_pinned() for b in conductor.blocks if b.streamed)
     step(model, tuple(t.cuda() for t in stack_inputs()))
     graphs = acceleration.stats()["unique_graphs"]
@@ -189,11 +190,11 @@ def test_int8_kernel_equals_the_torch_arithmetic() -> None:
 def test_int8_streaming_on_cuda_halves_bytes_with_small_error() -> None:
     from test_offload import stack_inputs
 
-    from compile_accel import LayerOffloadConductor
+    from compile_accel import BlockOffloadConductor
 
     model, reference = _cuda_stack()
     model, reference = model.to(torch.bfloat16), reference.to(torch.bfloat16)
-    conductor = LayerOffloadConductor(offload_fraction=1.0, offload_dtype="int8").attach(model.blocks)
+    conductor = BlockOffloadConductor(offload_fraction=1.0, offload_dtype="int8").attach(model.blocks)
     bf16_bytes = sum(p.numel() * 2 for b in reference.blocks for p in b.parameters() if not p.requires_grad)
     assert conductor.stats()["host_bytes"] < 0.6 * bf16_bytes
     x, cond = (t.cuda().to(torch.bfloat16) for t in stack_inputs())
@@ -205,21 +206,22 @@ def test_int8_streaming_on_cuda_halves_bytes_with_small_error() -> None:
 def test_int8_streamed_training_equals_a_run_on_the_dequantized_weights(monkeypatch) -> None:
     """int8 streaming with prefetch in both directions, activation offload and backward: the
     LoRA gradients of a resident eager run whose streamed blocks' frozen matrices went through the
-    same int8 round trip (computed by torch ops here); detach() hands back exactly those weights."""
+    same int8 round trip (computed by torch ops here); remove() hands back exactly those weights."""
     from test_offload import int8_round_trip_
 
-    from compile_accel import LayerOffloadConductor, offload
+    from compile_accel import BlockOffloadConductor
+    from compile_accel.offload import activations
 
-    monkeypatch.setattr(offload, "MIN_ACTIVATION_BYTES", 0)
+    monkeypatch.setattr(activations, "MIN_ACTIVATION_BYTES", 0)
     model, reference = _cuda_stack()
-    conductor = LayerOffloadConductor(offload_fraction=0.67, activation_offload=True, offload_dtype="int8")
+    conductor = BlockOffloadConductor(offload_fraction=0.67, activation_offload=True, offload_dtype="int8")
     conductor.attach(model.blocks)
     for block, twin in zip(conductor.blocks, reference.blocks, strict=True):
         if block.streamed:  # resident blocks keep their weights
             int8_round_trip_(twin)
     _assert_steps_match(model, reference, steps=2, rtol=1e-5)
     assert conductor.counters["prefetched_loads"] > 0 and conductor.counters["activation_bytes_offloaded"] > 0
-    conductor.detach()
+    conductor.remove()
     assert all(torch.equal(p, e) for p, e in zip(model.parameters(), reference.parameters(), strict=True))
 
 

@@ -1,5 +1,5 @@
 """apply() works in place: same state-dict keys and parameters, optimizers keep working,
-restore() gives eager back, `.data` swaps do not recompile, non-resident regions run eager."""
+remove() gives eager back, `.data` swaps do not recompile, non-resident regions run eager."""
 
 from __future__ import annotations
 
@@ -31,13 +31,13 @@ def test_state_dict_keys_parameters_and_optimizer_unchanged() -> None:
     assert all(not torch.equal(b, p) for b, p in zip(before, params, strict=True))
 
 
-def test_restore_gives_eager_back() -> None:
+def test_remove_gives_eager_back() -> None:
     model, params = build("kohya", None)
     inputs = inputs_for(model)
     eager_loss, eager_grads = lora_step(model, params, inputs)
     acceleration = compile_accel.apply(model, BLOCKS)
     lora_step(model, params, inputs)
-    acceleration.restore()
+    acceleration.remove()
     assert not any(isinstance(m.__dict__.get("forward"), Region) for m in model.modules())
     # kohya's LoRA forwards (installed before apply) are still in place.
     lora_linears = [m for m in model.modules() if isinstance(getattr(m.forward, "__self__", None), KohyaStyleLoRA)]
@@ -46,6 +46,17 @@ def test_restore_gives_eager_back() -> None:
     assert torch.equal(loss, eager_loss)
     assert all(torch.equal(g, e) for g, e in zip(grads, eager_grads, strict=True))
     compile_accel.apply(model, BLOCKS)  # and it can be applied again
+
+
+def test_restore_and_on_restore_still_undo_apply_under_their_old_names() -> None:
+    model, _ = build("kohya", None)
+    acceleration = compile_accel.apply(model, CompileConfig(mode="selective"))
+    undone = []
+    acceleration.on_restore(lambda: undone.append(True))
+    acceleration.restore()
+    assert undone == [True]
+    assert not any(isinstance(m.__dict__.get("forward"), Region) for m in model.modules())
+    compile_accel.apply(model, CompileConfig(mode="selective"))  # and it can be applied again
 
 
 def test_data_swap_does_not_recompile() -> None:
@@ -60,7 +71,7 @@ def test_data_swap_does_not_recompile() -> None:
     loss, grads = lora_step(model, params, inputs)
     stats = acceleration.stats()
     assert stats["unique_graphs"] == graphs and stats["recompiles"] == 0
-    acceleration.restore()
+    acceleration.remove()
     eager_loss, eager_grads = lora_step(model, params, inputs)
     assert relative_error(loss, eager_loss) < 1e-4  # the compiled graphs read the new weights
     assert all(relative_error(g, e) < 1e-4 for g, e in zip(grads, eager_grads, strict=True))

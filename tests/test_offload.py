@@ -1,4 +1,4 @@
-"""LayerOffloadConductor on the CPU (device="cpu": the same bookkeeping with plain copies):
+"""BlockOffloadConductor on the CPU (device="cpu": the same bookkeeping with plain copies):
 LoRA gradients equal to a resident run under every checkpointing style, residency and order,
 eviction after an early-stopped recompute, activation offload, int8 streaming, composition
 with compiled blocks, and bad input that changes nothing."""
@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 import compile_accel
 from compile_accel import CompileConfig, offload
 from compile_accel.int8 import Int8Matrices, Int8Matrix, dequantize_int8_, quantize_int8
-from compile_accel.offload import LayerOffloadConductor
+from compile_accel.offload import BlockOffloadConductor, LayerOffloadConductor, activations, layout
 
 DIM, TOKENS = 32, 16
 
@@ -96,7 +96,7 @@ class Residency:
     """Records, at every block call, whether the block's weights are in place and how many
     streamed blocks the conductor holds in its slots."""
 
-    def __init__(self, conductor: LayerOffloadConductor, blocks: nn.ModuleList) -> None:
+    def __init__(self, conductor: BlockOffloadConductor, blocks: nn.ModuleList) -> None:
         self.conductor = conductor
         self.calls: list[int] = []
         self.finished: list[int] = []
@@ -123,7 +123,7 @@ def test_lora_grads_equal_a_resident_run(checkpointing: str | None) -> None:
     bit for bit; without checkpointing too (weights saved for backward are reloaded first)."""
     reference = Stack(checkpointing=checkpointing)
     model = copy_of(reference)
-    conductor = LayerOffloadConductor(offload_fraction=0.67, device="cpu").attach(model.blocks)
+    conductor = BlockOffloadConductor(offload_fraction=0.67, device="cpu").attach(model.blocks)
     assert conductor.stats()["streamed_blocks"] == 4
     for _ in range(2):
         inputs = stack_inputs()
@@ -138,7 +138,7 @@ def test_order_prefetch_and_early_stopped_recompute() -> None:
     started a block ahead; at most two streamed blocks are ever held; a non-reentrant recompute
     that stops early (so the block's forward never finishes) leaves nothing stale."""
     model = Stack(n=8, checkpointing="non-reentrant")
-    conductor = LayerOffloadConductor(offload_fraction=0.75, device="cpu").attach(model.blocks)
+    conductor = BlockOffloadConductor(offload_fraction=0.75, device="cpu").attach(model.blocks)
     residency = Residency(conductor, model.blocks)
     step(model, stack_inputs())
     first = dict(conductor.counters)
@@ -158,7 +158,7 @@ def test_resident_blocks_are_the_smallest_spread_out_and_prefetch_two_ahead() ->
     (the resident block's compute overlaps copies)."""
     blocks = nn.ModuleList([nn.Linear(64, 64) for _ in range(3)] + [nn.Linear(8, 8) for _ in range(6)])
     blocks.requires_grad_(False)
-    conductor = LayerOffloadConductor(offload_fraction=6 / 9, device="cpu").attach(blocks)
+    conductor = BlockOffloadConductor(offload_fraction=6 / 9, device="cpu").attach(blocks)
     assert [b.index for b in conductor.blocks if not b.streamed] == [4, 6, 8]
     assert [b.slot for b in conductor.blocks if b.streamed] == [0, 1, 0, 1, 0, 1]
     held_at = {}
@@ -182,12 +182,12 @@ def test_int8_copies_two_blocks_ahead_and_keeps_the_running_one() -> None:
     still hold the running block; each is dequantized into its slot when its turn comes."""
     blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(6)).requires_grad_(False)
     expected = [dequantize_int8_(torch.empty(16, 16), *quantize_int8(b.weight)) for b in blocks]
-    conductor = LayerOffloadConductor(offload_fraction=1.0, device="cpu", offload_dtype="int8").attach(blocks)
+    conductor = BlockOffloadConductor(offload_fraction=1.0, device="cpu", offload_dtype="int8").attach(blocks)
     seen = {}
 
     def record(index: int):
         def hook(module: nn.Module, args: tuple) -> None:
-            staged = sorted(b.index for b in conductor._staged if b is not None)
+            staged = sorted(b.index for b in conductor._slots.staged if b is not None)
             seen[index] = (
                 staged,
                 index in conductor.resident_streamed_blocks(),
@@ -211,12 +211,12 @@ def test_int8_mispredicted_copies_are_replaced_and_results_stay_exact() -> None:
     those of the same blocks holding the int8 round trip of their weights."""
     reference = Stack(n=6)
     model = copy_of(reference)
-    conductor = LayerOffloadConductor(offload_fraction=1.0, device="cpu", offload_dtype="int8").attach(model.blocks)
+    conductor = BlockOffloadConductor(offload_fraction=1.0, device="cpu", offload_dtype="int8").attach(model.blocks)
     int8_round_trip_(reference.blocks)  # every block streams: every frozen matrix is int8
     x, cond = stack_inputs()
     with torch.no_grad():
         model(x, cond)
-    assert {b.index for b in conductor._staged if b is not None} - {0, 1}  # staged for a backward
+    assert {b.index for b in conductor._slots.staged if b is not None} - {0, 1}  # staged for a backward
     loss, grads = step(model, (x, cond))
     expected_loss, expected = step(reference, (x, cond))
     torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=0)
@@ -233,7 +233,7 @@ def test_inner_checkpoint_and_compiled_blocks_stream_without_recompiles() -> Non
     for p, q in zip(params, ref_params, strict=True):
         p.data.copy_(q.data)
     acceleration = compile_accel.apply(model, CompileConfig(mode="blocks", backend="aot_eager"))
-    conductor = LayerOffloadConductor(offload_fraction=0.67, device="cpu")
+    conductor = BlockOffloadConductor(offload_fraction=0.67, device="cpu")
     conductor.attach([model.double_blocks, model.single_blocks])
     inputs = inputs_for(model)
     lora_step(model, params, inputs)
@@ -252,10 +252,10 @@ def test_inner_checkpoint_and_compiled_blocks_stream_without_recompiles() -> Non
 
 
 def test_activation_offload_moves_checkpointed_inputs_and_brings_them_back(monkeypatch) -> None:
-    monkeypatch.setattr(offload, "MIN_ACTIVATION_BYTES", 0)
+    monkeypatch.setattr(activations, "MIN_ACTIVATION_BYTES", 0)
     reference = Stack(n=6)
     model = copy_of(reference)
-    conductor = LayerOffloadConductor(offload_fraction=0.5, device="cpu", activation_offload=True)
+    conductor = BlockOffloadConductor(offload_fraction=0.5, device="cpu", activation_offload=True)
     conductor.attach(model.blocks)
     inputs = stack_inputs()
     loss, grads = step(model, inputs)
@@ -295,9 +295,9 @@ class JointStack(nn.Module):
 def test_activation_offload_moves_view_inputs_with_their_base(monkeypatch) -> None:
     """Views leave with the tensor they view (freeing its GPU storage), in one host buffer; views of
     a leaf (here the caller's input, sliced by the model) stay where they are."""
-    monkeypatch.setattr(offload, "MIN_ACTIVATION_BYTES", 0)
+    monkeypatch.setattr(activations, "MIN_ACTIVATION_BYTES", 0)
     reference, model = twins(lambda: JointStack())
-    conductor = LayerOffloadConductor(offload_fraction=0.6, device="cpu", activation_offload=True)
+    conductor = BlockOffloadConductor(offload_fraction=0.6, device="cpu", activation_offload=True)
     conductor.attach(model.blocks)
     block_1_inputs, block_1_storage, at_block_3 = [], [], []
 
@@ -307,7 +307,7 @@ def test_activation_offload_moves_view_inputs_with_their_base(monkeypatch) -> No
 
     def check(module: nn.Module, args: tuple) -> None:
         text, image = block_1_inputs
-        buffers = {stored.buffer.untyped_storage().data_ptr() for stored in conductor.blocks[1].offloaded}
+        buffers = {stored.buffer.untyped_storage().data_ptr() for stored in conductor._activations.blocks[1].offloaded}
         moved = {t.untyped_storage().data_ptr() in buffers for t in (text, image, text._base)}
         at_block_3.append((moved, block_1_storage[0].expired()))
 
@@ -360,19 +360,19 @@ def _assert_compiled_step_matches(model: nn.Module, reference: nn.Module, inputs
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-7)
 
 
-def _host_buffers(conductor: LayerOffloadConductor) -> set[int]:
-    return {stored.buffer.untyped_storage().data_ptr() for b in conductor.blocks for stored in b.offloaded}
+def _host_buffers(conductor: BlockOffloadConductor) -> set[int]:
+    return {stored.buffer.untyped_storage().data_ptr() for b in conductor._activations.blocks for stored in b.offloaded}
 
 
-def _before_each_move(monkeypatch, conductor: LayerOffloadConductor, note) -> None:
+def _before_each_move(monkeypatch, conductor: BlockOffloadConductor, note) -> None:
     """Call `note(tensor)` with a tensor of each storage the conductor moves to the host, first."""
-    offload_storage = conductor._offload_storage
+    offload_storage = conductor._activations._offload_storage
 
-    def noting(block, members: list[torch.Tensor]) -> None:
+    def noting(block, members: list[torch.Tensor]) -> int:
         note(members[0])
-        offload_storage(block, members)
+        return offload_storage(block, members)
 
-    monkeypatch.setattr(conductor, "_offload_storage", noting)
+    monkeypatch.setattr(conductor._activations, "_offload_storage", noting)
 
 
 def test_activation_offload_moves_what_compiled_blocks_save(monkeypatch) -> None:
@@ -380,11 +380,11 @@ def test_activation_offload_moves_what_compiled_blocks_save(monkeypatch) -> None
     backward leaves once the next block has started (its GPU storage freed) and comes back before
     the block's backward; parameters (frozen and LoRA), the caller's tensors, the blocks' outputs
     and the tables every block reads (passed in a tuple) stay."""
-    monkeypatch.setattr(offload, "MIN_ACTIVATION_BYTES", 0)
+    monkeypatch.setattr(activations, "MIN_ACTIVATION_BYTES", 0)
     reference, model = twins(lambda: PairStack())
     config = CompileConfig(mode="blocks", activation_memory_budget=0.5, backend="aot_eager")
     acceleration = compile_accel.apply(model, config)
-    conductor = LayerOffloadConductor(offload_fraction=0.5, device="cpu", activation_offload=True)
+    conductor = BlockOffloadConductor(offload_fraction=0.5, device="cpu", activation_offload=True)
     conductor.attach(model.blocks)
     lora = {id(p): p.data_ptr() for p in trainable(model)}
     frozen_resident = {id(p): p.data_ptr() for b in conductor.blocks if not b.streamed for p in b.frozen}
@@ -435,11 +435,11 @@ class TanhStack(Stack):
 
 
 def test_activation_offload_keeps_block_outputs_the_model_reads(monkeypatch) -> None:
-    monkeypatch.setattr(offload, "MIN_ACTIVATION_BYTES", 0)
+    monkeypatch.setattr(activations, "MIN_ACTIVATION_BYTES", 0)
     reference, model = twins(lambda: TanhStack())
     config = CompileConfig(mode="blocks", activation_memory_budget=1.0, backend="aot_eager")
     compile_accel.apply(model, config)
-    conductor = LayerOffloadConductor(offload_fraction=0.5, device="cpu", activation_offload=True)
+    conductor = BlockOffloadConductor(offload_fraction=0.5, device="cpu", activation_offload=True)
     conductor.attach(model.blocks)
     outputs, moved = set(), []  # storages; an output is alive from its block's return until backward
     for block in model.blocks:
@@ -470,7 +470,7 @@ class ScaledBlock(Block):
 def test_activation_offload_moves_nothing_eager_code_saves_inside_a_compiled_block(monkeypatch) -> None:
     """An excluded submodule runs eager inside the compiled block: what it saves (here a table
     that every block reads) is not the compiled function's and stays."""
-    monkeypatch.setattr(offload, "MIN_ACTIVATION_BYTES", 0)
+    monkeypatch.setattr(activations, "MIN_ACTIVATION_BYTES", 0)
 
     def make() -> Stack:
         stack = Stack(checkpointing=None)
@@ -480,7 +480,7 @@ def test_activation_offload_moves_nothing_eager_code_saves_inside_a_compiled_blo
     reference, model = twins(make)
     config = CompileConfig(mode="blocks", activation_memory_budget=0.5, backend="aot_eager", exclude=["*.scale"])
     compile_accel.apply(model, config)
-    conductor = LayerOffloadConductor(offload_fraction=0.5, device="cpu", activation_offload=True)
+    conductor = BlockOffloadConductor(offload_fraction=0.5, device="cpu", activation_offload=True)
     conductor.attach(model.blocks)
     table = SHARED_TABLE.untyped_storage().data_ptr()
     _assert_compiled_step_matches(model, reference, stack_inputs())
@@ -491,9 +491,9 @@ def test_activation_offload_moves_nothing_eager_code_saves_inside_a_compiled_blo
 def test_activation_offload_leaves_eager_blocks_without_checkpoint_with_a_warning(monkeypatch) -> None:
     """Eager code saves tensors that others may hold (module attributes, a trainer's LoRA
     weights), so an eager block without a checkpoint keeps its activations on the GPU."""
-    monkeypatch.setattr(offload, "MIN_ACTIVATION_BYTES", 0)
+    monkeypatch.setattr(activations, "MIN_ACTIVATION_BYTES", 0)
     reference, model = twins(lambda: PairStack())
-    conductor = LayerOffloadConductor(offload_fraction=0.5, device="cpu", activation_offload=True)
+    conductor = BlockOffloadConductor(offload_fraction=0.5, device="cpu", activation_offload=True)
     conductor.attach(model.blocks)
     inputs = stack_inputs()
     with pytest.warns(RuntimeWarning, match="runs eager without a checkpoint"):
@@ -515,11 +515,11 @@ class SkipStack(Stack):
 
 
 def test_activation_offload_brings_back_a_kept_tensor_read_again(monkeypatch) -> None:
-    monkeypatch.setattr(offload, "MIN_ACTIVATION_BYTES", 0)
+    monkeypatch.setattr(activations, "MIN_ACTIVATION_BYTES", 0)
     reference, model = twins(lambda: SkipStack(checkpointing=None))
     config = CompileConfig(mode="blocks", activation_memory_budget=1.0, backend="aot_eager")
     compile_accel.apply(model, config)  # budget 1.0: block 1 saves its input
-    conductor = LayerOffloadConductor(offload_fraction=0.5, device="cpu", activation_offload=True)
+    conductor = BlockOffloadConductor(offload_fraction=0.5, device="cpu", activation_offload=True)
     conductor.attach(model.blocks)
     on_host = []
 
@@ -534,9 +534,9 @@ def test_activation_offload_brings_back_a_kept_tensor_read_again(monkeypatch) ->
 
 
 def test_activation_offload_warns_under_reentrant_checkpoint(monkeypatch) -> None:
-    monkeypatch.setattr(offload, "MIN_ACTIVATION_BYTES", 0)
+    monkeypatch.setattr(activations, "MIN_ACTIVATION_BYTES", 0)
     model = Stack(n=4, checkpointing="reentrant")
-    conductor = LayerOffloadConductor(offload_fraction=0.5, device="cpu", activation_offload=True)
+    conductor = BlockOffloadConductor(offload_fraction=0.5, device="cpu", activation_offload=True)
     conductor.attach(model.blocks)
     with pytest.warns(RuntimeWarning, match="non-reentrant"):
         step(model, stack_inputs())
@@ -570,7 +570,7 @@ def _fail_once(module: nn.Module) -> None:
 def test_activation_offload_moves_a_retried_forwards_activations(monkeypatch) -> None:
     """A block whose forward raised and ran again is a new visit: what the retried forward saves
     moves like any other block's (it was once taken for the same visit and kept nothing)."""
-    monkeypatch.setattr(offload, "MIN_ACTIVATION_BYTES", 0)
+    monkeypatch.setattr(activations, "MIN_ACTIVATION_BYTES", 0)
     config = CompileConfig(mode="blocks", activation_memory_budget=1.0, backend="aot_eager")
     moved = []
     for fails in (False, True):
@@ -578,7 +578,7 @@ def test_activation_offload_moves_a_retried_forwards_activations(monkeypatch) ->
         compile_accel.apply(model, config)
         if fails:
             _fail_once(model.blocks[2])  # before attach: the conductor's hooks run after it
-        conductor = LayerOffloadConductor(offload_fraction=0.5, device="cpu", activation_offload=True)
+        conductor = BlockOffloadConductor(offload_fraction=0.5, device="cpu", activation_offload=True)
         conductor.attach(model.blocks)
         _assert_compiled_step_matches(model, reference, stack_inputs())
         moved.append(conductor.counters["activation_bytes_offloaded"])
@@ -587,9 +587,9 @@ def test_activation_offload_moves_a_retried_forwards_activations(monkeypatch) ->
 
 
 def test_activation_offload_steps_aside_for_other_saved_tensor_hooks(monkeypatch) -> None:
-    monkeypatch.setattr(offload, "MIN_ACTIVATION_BYTES", 0)
+    monkeypatch.setattr(activations, "MIN_ACTIVATION_BYTES", 0)
     reference, model = twins(lambda: Stack(checkpointing=None))
-    conductor = LayerOffloadConductor(offload_fraction=0.5, device="cpu", activation_offload=True)
+    conductor = BlockOffloadConductor(offload_fraction=0.5, device="cpu", activation_offload=True)
     conductor.attach(model.blocks)
     inputs = stack_inputs()
     with pytest.warns(RuntimeWarning, match="saved-tensor hooks of someone else"):
@@ -601,13 +601,13 @@ def test_activation_offload_steps_aside_for_other_saved_tensor_hooks(monkeypatch
     assert conductor.counters["activation_bytes_offloaded"] == 0
 
 
-def _driven_by_hand(monkeypatch) -> tuple[Stack, LayerOffloadConductor]:
+def _driven_by_hand(monkeypatch) -> tuple[Stack, BlockOffloadConductor]:
     """Blocks compiled under a budget (no checkpoint), a conductor with activation offload that
     the test drives itself (hooks=False)."""
-    monkeypatch.setattr(offload, "MIN_ACTIVATION_BYTES", 0)
+    monkeypatch.setattr(activations, "MIN_ACTIVATION_BYTES", 0)
     model = Stack(checkpointing=None)
     compile_accel.apply(model, CompileConfig(mode="blocks", activation_memory_budget=1.0, backend="aot_eager"))
-    conductor = LayerOffloadConductor(offload_fraction=0.5, device="cpu", activation_offload=True)
+    conductor = BlockOffloadConductor(offload_fraction=0.5, device="cpu", activation_offload=True)
     return model, conductor.attach(model.blocks, hooks=False)
 
 
@@ -618,9 +618,9 @@ def test_activation_offload_without_block_inputs_warns_and_moves_nothing(monkeyp
     x, cond = stack_inputs()
     with pytest.warns(RuntimeWarning, match="needs each block's input tensors"):
         for index, block in enumerate(model.blocks):
-            conductor.before_layer(index)
+            conductor.before_block(index)
             x = block(x, cond)
-            conductor.after_layer(index, [x])
+            conductor.after_block(index, [x])
     x.square().mean().backward()
     assert conductor.counters["activation_bytes_offloaded"] == 0
 
@@ -632,15 +632,15 @@ def test_saved_tensor_hooks_are_ended_only_on_their_own_thread(monkeypatch) -> N
     model, conductor = _driven_by_hand(monkeypatch)
     x, cond = stack_inputs()
     top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
-    conductor.before_layer(0, [x, cond])
+    conductor.before_block(0, [x, cond])
     out = model.blocks[0](x, cond)
-    other = threading.Thread(target=conductor.after_layer, args=(0,))
+    other = threading.Thread(target=conductor.after_block, args=(0,))
     other.start()
     other.join()
     assert top_hooks(False) is not None  # still on: the other thread left them alone
-    conductor.after_layer(0, [out])
+    conductor.after_block(0, [out])
     assert top_hooks(False) is None
-    conductor.before_layer(1, [out, cond])  # block 0's saved activations leave now
+    conductor.before_block(1, [out, cond])  # block 0's saved activations leave now
     assert conductor.counters["activation_bytes_offloaded"] > 0
 
 
@@ -688,10 +688,10 @@ def test_int8_streaming_halves_bytes_and_keeps_lora_exact() -> None:
     reference = Stack(n=4).to(torch.bfloat16)
     model = copy_of(reference).to(torch.bfloat16)
     lora = [p.detach().clone() for p in trainable(model)]
-    plain = LayerOffloadConductor(offload_fraction=1.0, device="cpu").attach(
+    plain = BlockOffloadConductor(offload_fraction=1.0, device="cpu").attach(
         copy_of(reference).to(torch.bfloat16).blocks
     )
-    int8 = LayerOffloadConductor(offload_fraction=1.0, device="cpu", offload_dtype="int8").attach(model.blocks)
+    int8 = BlockOffloadConductor(offload_fraction=1.0, device="cpu", offload_dtype="int8").attach(model.blocks)
     assert int8.stats()["host_bytes"] < 0.6 * plain.stats()["host_bytes"]
     x, cond = (t.to(torch.bfloat16) for t in stack_inputs())
     with torch.no_grad():
@@ -700,17 +700,17 @@ def test_int8_streaming_halves_bytes_and_keeps_lora_exact() -> None:
     assert all(torch.equal(p, q) and p.dtype == torch.bfloat16 for p, q in zip(trainable(model), lora, strict=True))
 
 
-def test_detach_gives_standalone_weights_back() -> None:
+def test_remove_gives_standalone_weights_back() -> None:
     model = Stack(n=4)
     original = {k: v.clone() for k, v in model.state_dict().items()}
-    conductor = LayerOffloadConductor(offload_fraction=0.5, device="cpu").attach(model.blocks)
+    conductor = BlockOffloadConductor(offload_fraction=0.5, device="cpu").attach(model.blocks)
     step(model, stack_inputs())
-    conductor.detach()
+    conductor.remove()
     assert all(torch.equal(v, original[k]) for k, v in model.state_dict().items())
     pointers = {p.untyped_storage().data_ptr() for p in model.parameters()}
     assert len(pointers) == len(list(model.parameters()))  # no longer views of shared slots
     assert not any(block._forward_pre_hooks or block._forward_hooks for block in model.blocks)
-    LayerOffloadConductor(offload_fraction=0.5, device="cpu").attach(model.blocks)  # attachable again
+    BlockOffloadConductor(offload_fraction=0.5, device="cpu").attach(model.blocks)  # attachable again
 
 
 def _snapshot(model: nn.Module) -> list[tuple[int, torch.device]]:
@@ -730,13 +730,13 @@ def _snapshot(model: nn.Module) -> list[tuple[int, torch.device]]:
 )
 def test_bad_arguments_raise(kwargs: dict, error: str) -> None:
     with pytest.raises(ValueError, match=error):
-        LayerOffloadConductor(**{"device": "cpu", **kwargs})
+        BlockOffloadConductor(**{"device": "cpu", **kwargs})
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_cuda_absent_is_a_clear_error() -> None:
     with pytest.raises(RuntimeError, match="CUDA is not available"):
-        LayerOffloadConductor()
+        BlockOffloadConductor()
 
 
 def test_bad_blocks_change_nothing() -> None:
@@ -744,41 +744,41 @@ def test_bad_blocks_change_nothing() -> None:
     model.blocks[1].fc1 = nn.Linear(DIM, 4 * DIM, device="meta")  # a half-moved model
     before = [(p.device, p.shape) for p in model.parameters()]
     with pytest.raises(ValueError, match="all be on cpu"):
-        LayerOffloadConductor(device="cpu").attach(model.blocks)
+        BlockOffloadConductor(device="cpu").attach(model.blocks)
     assert [(p.device, p.shape) for p in model.parameters()] == before
     assert not any(block._forward_pre_hooks for block in model.blocks)
 
     model = Stack(n=4)
-    conductor = LayerOffloadConductor(device="cpu").attach(model.blocks)
+    conductor = BlockOffloadConductor(device="cpu").attach(model.blocks)
     with pytest.raises(RuntimeError, match="already attached"):
-        LayerOffloadConductor(device="cpu").attach(model.blocks)
+        BlockOffloadConductor(device="cpu").attach(model.blocks)
     with pytest.raises(RuntimeError, match="already attached"):
         conductor.attach(Stack(n=2).blocks)
     with pytest.raises(ValueError, match="same block twice"):
-        LayerOffloadConductor(device="cpu").attach([Stack(n=1).blocks[0]] * 2)
+        BlockOffloadConductor(device="cpu").attach([Stack(n=1).blocks[0]] * 2)
     # Parts of attached blocks, or modules around them, belong to the first conductor.
     with pytest.raises(RuntimeError, match="already attached to another"):
-        LayerOffloadConductor(device="cpu").attach([block.fc1 for block in model.blocks])
+        BlockOffloadConductor(device="cpu").attach([block.fc1 for block in model.blocks])
     with pytest.raises(RuntimeError, match="already attached to another"):
-        LayerOffloadConductor(device="cpu").attach([nn.Sequential(*model.blocks[:2]), model.blocks[2]])
+        BlockOffloadConductor(device="cpu").attach([nn.Sequential(*model.blocks[:2]), model.blocks[2]])
     with pytest.raises(ValueError, match="got no blocks"):
-        LayerOffloadConductor(device="cpu").attach(nn.ModuleList())
+        BlockOffloadConductor(device="cpu").attach(nn.ModuleList())
     for index in (-1, 4, True):
         with pytest.raises(IndexError, match=r"block index must be an int in \[0, 4\)"):
-            conductor.before_layer(index)
+            conductor.before_block(index)
     with pytest.raises(RuntimeError, match="not attached"):
-        LayerOffloadConductor(device="cpu").before_layer(0)
+        BlockOffloadConductor(device="cpu").before_block(0)
 
     model = Stack(n=2)
     model.blocks[1].register_buffer("table", torch.zeros(3, device="meta"))
     with pytest.raises(ValueError, match="all be on cpu"):
-        LayerOffloadConductor(device="cpu").attach(model.blocks)
+        BlockOffloadConductor(device="cpu").attach(model.blocks)
 
 
 def test_allocation_failure_leaves_the_model_as_it_was(monkeypatch) -> None:
     model = Stack(n=4)
     before = _snapshot(model)
-    conductor = LayerOffloadConductor(offload_fraction=0.5, device="cpu")
+    conductor = BlockOffloadConductor(offload_fraction=0.5, device="cpu")
     real_empty, calls = torch.empty, []
 
     def failing_empty(*args, **kwargs):
@@ -797,7 +797,7 @@ def test_allocation_failure_leaves_the_model_as_it_was(monkeypatch) -> None:
 
 
 def test_pinning_failure_falls_back_to_pageable_with_a_warning(monkeypatch) -> None:
-    conductor = LayerOffloadConductor(offload_fraction=1.0, device="cpu")
+    conductor = BlockOffloadConductor(offload_fraction=1.0, device="cpu")
     conductor.pin_memory = True  # as on a CUDA machine
     real_empty = torch.empty
 
@@ -815,15 +815,15 @@ def test_pinning_failure_falls_back_to_pageable_with_a_warning(monkeypatch) -> N
 
 
 @pytest.mark.parametrize("offload_dtype", [None, "int8"])
-def test_detach_after_every_slot_was_reused(offload_dtype: str | None) -> None:
-    """All blocks streamed, so detach() loads each into a slot another restored block used."""
+def test_remove_after_every_slot_was_reused(offload_dtype: str | None) -> None:
+    """All blocks streamed, so remove() loads each into a slot another restored block used."""
     model = Stack(n=4)
     original = {k: v.clone() for k, v in model.state_dict().items()}
-    conductor = LayerOffloadConductor(offload_fraction=1.0, device="cpu", offload_dtype=offload_dtype)
+    conductor = BlockOffloadConductor(offload_fraction=1.0, device="cpu", offload_dtype=offload_dtype)
     conductor.attach(model.blocks)
     step(model, stack_inputs())
     hosts = {b.host.untyped_storage().data_ptr() for b in conductor.blocks}
-    conductor.detach()
+    conductor.remove()
     for key, value in model.state_dict().items():
         if offload_dtype is None or value.dim() < 2:
             assert torch.equal(value, original[key]), key
@@ -834,13 +834,13 @@ def test_detach_after_every_slot_was_reused(offload_dtype: str | None) -> None:
 
 
 def test_activation_offload_every_step_and_no_leak_from_forwards_without_backward(monkeypatch) -> None:
-    monkeypatch.setattr(offload, "MIN_ACTIVATION_BYTES", 0)
+    monkeypatch.setattr(activations, "MIN_ACTIVATION_BYTES", 0)
     model = Stack(n=6)
-    conductor = LayerOffloadConductor(offload_fraction=0.5, device="cpu", activation_offload=True)
+    conductor = BlockOffloadConductor(offload_fraction=0.5, device="cpu", activation_offload=True)
     conductor.attach(model.blocks)
     allocations = []
-    host_empty = conductor._host_empty
-    monkeypatch.setattr(conductor, "_host_empty", lambda n: allocations.append(n) or host_empty(n))
+    host_empty = conductor._transfers.host_empty
+    monkeypatch.setattr(conductor._transfers, "host_empty", lambda n: allocations.append(n) or host_empty(n))
     per_step = []
     for _ in range(2):
         before = conductor.counters["activation_bytes_offloaded"]
@@ -859,71 +859,84 @@ def test_activation_offload_every_step_and_no_leak_from_forwards_without_backwar
             hook.remove()
             values = kept[0].detach().clone()  # read through the host buffer
             assert kept[0].untyped_storage().data_ptr() in {
-                stored.buffer.untyped_storage().data_ptr() for stored in conductor.blocks[1].offloaded
+                stored.buffer.untyped_storage().data_ptr() for stored in conductor._activations.blocks[1].offloaded
             }
         model(*stack_inputs()).sum()
     step(model, stack_inputs())
     assert len(allocations) == first  # the dropped forwards' buffers were reused
-    assert all(len(b.offloaded) == 0 for b in conductor.blocks)
-    buffers = {b.untyped_storage().data_ptr() for block in conductor.blocks for b in block.free_buffers}
+    assert all(len(b.offloaded) == 0 for b in conductor._activations.blocks)
+    buffers = {b.untyped_storage().data_ptr() for block in conductor._activations.blocks for b in block.free_buffers}
     assert kept[0].untyped_storage().data_ptr() not in buffers and torch.equal(kept[0], values)
 
 
-def test_trainer_driven_visits_without_hooks() -> None:
-    """attach(hooks=False): the trainer calls before_layer/after_layer around each block."""
+@pytest.mark.parametrize("old_names", [False, True], ids=["block-names", "old-layer-names"])
+def test_trainer_driven_visits_without_hooks(old_names: bool) -> None:
+    """attach(hooks=False): the trainer calls before_block/after_block around each block and
+    remove() at the end; the old names (LayerOffloadConductor, before_layer, after_layer,
+    detach) do the same."""
     reference = Stack(n=4, checkpointing=None)
     model = copy_of(reference)
-    conductor = LayerOffloadConductor(offload_fraction=0.75, device="cpu").attach(model.blocks, hooks=False)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    make = LayerOffloadConductor if old_names else BlockOffloadConductor
+    conductor = make(offload_fraction=0.75, device="cpu").attach(model.blocks, hooks=False)
+    before, after, remove = (
+        (conductor.before_layer, conductor.after_layer, conductor.detach)
+        if old_names
+        else (conductor.before_block, conductor.after_block, conductor.remove)
+    )
     assert not any(block._forward_pre_hooks for block in model.blocks)
     x, cond = stack_inputs()
     h = x.detach().requires_grad_(True)
     for index, block in enumerate(model.blocks):
-        conductor.before_layer(index, (h, cond))
+        before(index, (h, cond))
         h = block(h, cond)
-        conductor.after_layer(index, (h,))
+        after(index, (h,))
     h.square().mean().backward()
     grads = [p.grad for p in trainable(model)]
     _, expected = step(reference, (x, cond))
     assert all(torch.equal(g, e) for g, e in zip(grads, expected, strict=True))
+    remove()
+    assert conductor.stats()["blocks"] == 0
+    assert all(torch.equal(v, original[k]) for k, v in model.state_dict().items())
 
 
 @pytest.mark.parametrize("bare", [True, False], ids=["bare-tensors", "tuples"])
-def test_trainer_driven_visits_take_bare_tensors_and_warn_without_after_layer(bare: bool) -> None:
+def test_trainer_driven_visits_take_bare_tensors_and_warn_without_after_block(bare: bool) -> None:
     reference = Stack(n=4, checkpointing=None)
     model = copy_of(reference)
-    conductor = LayerOffloadConductor(offload_fraction=0.75, device="cpu").attach(model.blocks, hooks=False)
+    conductor = BlockOffloadConductor(offload_fraction=0.75, device="cpu").attach(model.blocks, hooks=False)
     x, cond = stack_inputs()
     h = x.detach().requires_grad_(True)
     for index, block in enumerate(model.blocks):
-        conductor.before_layer(index, h if bare else (h, cond))
+        conductor.before_block(index, h if bare else (h, cond))
         h = block(h, cond)
-        conductor.after_layer(index, h if bare else (h,))
+        conductor.after_block(index, h if bare else (h,))
     h.square().mean().backward()
     _, expected = step(reference, (x, cond))
     assert all(torch.equal(p.grad, e) for p, e in zip(trainable(model), expected, strict=True))
 
-    conductor.before_layer(0, h)
-    with pytest.warns(RuntimeWarning, match="block 0's forward got no after_layer"):
-        conductor.before_layer(1, h)
+    conductor.before_block(0, h)
+    with pytest.warns(RuntimeWarning, match="block 0's forward got no after_block"):
+        conductor.before_block(1, h)
 
 
-def test_backward_of_a_forward_from_before_detach_is_refused() -> None:
+def test_backward_of_a_forward_from_before_remove_is_refused() -> None:
     model = Stack(n=4, checkpointing=None)
-    conductor = LayerOffloadConductor(offload_fraction=0.5, device="cpu").attach(model.blocks)
+    conductor = BlockOffloadConductor(offload_fraction=0.5, device="cpu").attach(model.blocks)
     loss = model(*stack_inputs()).square().mean()
-    conductor.detach()
+    conductor.remove()
     conductor.attach(model.blocks)
-    with pytest.raises(RuntimeError, match="forward run before this LayerOffloadConductor's detach"):
+    with pytest.raises(RuntimeError, match="forward run before this BlockOffloadConductor's remove"):
         loss.backward()
 
 
-def test_detach_gives_frozen_weights_back_in_their_layout() -> None:
+def test_remove_gives_frozen_weights_back_in_their_layout() -> None:
     model = Stack(n=2)
     for block in model.blocks:
         block.fc1.weight.data = block.fc1.weight.data.t().contiguous().t()  # column-major
     before = [(p.stride(), p.clone()) for p in model.parameters()]
-    conductor = LayerOffloadConductor(offload_fraction=0.5, device="cpu").attach(model.blocks)
-    conductor.detach()
+    conductor = BlockOffloadConductor(offload_fraction=0.5, device="cpu").attach(model.blocks)
+    conductor.remove()
     assert model.blocks[0].fc1.weight.stride() == (1, 4 * DIM)
     assert all(p.stride() == s and torch.equal(p, v) for p, (s, v) in zip(model.parameters(), before, strict=True))
 
@@ -936,7 +949,7 @@ def test_budgeted_compiled_blocks_stream_without_checkpointing() -> None:
     acceleration = compile_accel.apply(
         model, CompileConfig(mode="blocks", activation_memory_budget=0.5, backend="aot_eager")
     )
-    LayerOffloadConductor(offload_fraction=0.67, device="cpu").attach(model.blocks)
+    BlockOffloadConductor(offload_fraction=0.67, device="cpu").attach(model.blocks)
     step(model, stack_inputs())
     for _ in range(2):
         inputs = stack_inputs()
@@ -955,8 +968,8 @@ def test_failure_while_moving_weights_puts_the_model_back(monkeypatch) -> None:
             raise RuntimeError("CUDA out of memory")
         return quantize_int8(weight)
 
-    monkeypatch.setattr(offload, "quantize_int8", failing_quantize)
-    conductor = LayerOffloadConductor(offload_fraction=1.0, device="cpu", offload_dtype="int8")
+    monkeypatch.setattr(layout, "quantize_int8", failing_quantize)
+    conductor = BlockOffloadConductor(offload_fraction=1.0, device="cpu", offload_dtype="int8")
     with pytest.raises(RuntimeError, match="out of memory"):
         conductor.attach(model.blocks)
     assert _snapshot(model) == before

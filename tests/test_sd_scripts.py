@@ -437,7 +437,7 @@ def test_lumina_real_rope_matches_complex(sd_scripts: Path) -> None:
     expected = lumina_models.apply_rope(x, model.rope_embedder(ids))
     acceleration = accel.apply(model, CompileConfig(mode="selective"))  # installs the adapter, compiles on call
     assert relative_error(lumina_models.apply_rope(x, model.rope_embedder(ids)), expected) < 1e-6
-    acceleration.restore()
+    acceleration.remove()
     assert lumina_models.apply_rope(x, model.rope_embedder(ids)).equal(expected)
     assert type(model.rope_embedder).__name__ == "RopeEmbedder"
 
@@ -464,7 +464,7 @@ def test_lumina_lora_gradients_match_eager_with_one_graph_per_block_kind(
 def test_lumina_unpadded_batches_run_attention_without_masks(sd_scripts: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Captions of one length: NextDiT's caption, image and joint masks are all True; the adapter
     marks them and every compiled attention runs unmasked, with eager's gradients. A padded
-    batch after that compiles graphs that keep the mask. restore() undoes the adapter."""
+    batch after that compiles graphs that keep the mask. remove() undoes the adapter."""
     from compile_accel import attention, budget
 
     masked = []  # per compiled graph: does its attention get a mask?
@@ -486,7 +486,7 @@ def test_lumina_unpadded_batches_run_attention_without_masks(sd_scripts: Path, m
     masked.clear()
     _step(model, network, _lumina_inputs())  # captions padded: caption and joint masks kept
     assert [True] in masked
-    acceleration.restore()
+    acceleration.remove()
     assert "patchify_and_embed" not in vars(model) and not model.noise_refiner[0]._forward_pre_hooks
     assert model.layers[0].attention.attention_processor is torch.nn.functional.scaled_dot_product_attention
 
@@ -772,13 +772,13 @@ def test_lumina_train_network_end_to_end_saves_the_same_lora_keys(
     assert saved["plain"] and saved["selective"] == saved["plain"] and saved["budget"] == saved["plain"]
 
 
-def test_second_apply_is_refused_and_the_first_restores(sd_scripts: Path) -> None:
-    """A refused second apply rewrites nothing, so the first one's restore undoes its adapter."""
+def test_second_apply_is_refused_and_removing_the_first_undoes_its_adapter(sd_scripts: Path) -> None:
+    """A refused second apply rewrites nothing, so the first one's remove() undoes its adapter."""
     model, _ = _with_lora("lumina2")
     acceleration = accel.apply(model, CompileConfig(mode="selective"))
     with pytest.raises(RuntimeError, match="already called"):
         accel.apply(model, CompileConfig(mode="selective"))
-    acceleration.restore()
+    acceleration.remove()
     assert "patchify_and_embed" not in vars(model) and not model.noise_refiner[0]._forward_pre_hooks
 
 

@@ -234,11 +234,11 @@ def test_a_body_behind_a_wrapper_call_is_found() -> None:
     assert checkpoint_body(FluxStyleBlock) is None and checkpoint_body(Transformer) is None
 
 
-def test_restore_gives_the_body_method_back() -> None:
+def test_remove_gives_the_body_method_back() -> None:
     model = Stack(BodyBlock)
     _with_lora(model)
     acceleration = compile_accel.apply(model, CompileConfig(mode="selective"))
-    acceleration.restore()
+    acceleration.remove()
     assert all("_forward" not in vars(block) for block in model.blocks)
 
 
@@ -282,5 +282,5 @@ def test_unet_blocks_with_a_budget_switch_off_the_checkpoints_inside_them(unet_p
     # Every ResBlock-style layer and every transformer block inside a compiled Transformer.
     assert sorted(stats["checkpointing_switched_off"]) == sorted(flags) and not any(flags.values())
     assert stats["regions"] == 7  # two layers per list, three in the middle
-    acceleration.restore()
+    acceleration.remove()
     assert all(m.gradient_checkpointing for m in unet.modules() if hasattr(m, "gradient_checkpointing"))
