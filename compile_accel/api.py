@@ -12,7 +12,8 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from . import checkpointing
-from .auto_budget import AutoBudget
+from .adapters import ModelAdapter, ModelOffloadLadder
+from .auto_budget import AutoBudget, OffloadLadder
 from .blocks import BlockList, resolve_block_lists
 from .backend import start_compile_workers
 from .compile_profile import CompileClock, CompileTimes
@@ -165,35 +166,43 @@ def apply(
     compiles as asked.
     """
     integration = _integration_for(model) if blocks is None else None
-    if integration is not None:
-        name, integration_apply = integration
-        logger.info("apply: %s is known to the %s integration; applying its adapter", type(model).__name__, name)
-        return integration_apply(model, config)
-    return apply_blocks(model, config, blocks)
+    if integration is None:
+        return apply_adapter(model, config, None, blocks)
+    name, adapter = integration
+    logger.info("apply: %s is known to the %s integration; applying its adapter", type(model).__name__, name)
+    return apply_adapter(model, config, adapter)
 
 
-def _integration_for(model: Any) -> tuple[str, Callable[[nn.Module, CompileConfig | None], Acceleration]] | None:
-    """(name, apply) of the shipped integration that knows this model's class, or None."""
+def _integration_for(model: Any) -> tuple[str, ModelAdapter] | None:
+    """(name, adapter) of the shipped integration that knows this model's class, or None. Both
+    look classes up by name, so the module tells which one to ask (each has a UNet2DConditionModel)."""
     module = type(model).__module__
     if module.startswith("diffusers."):
-        from .integrations import diffusers
+        from .integrations.diffusers import ADAPTERS as known
 
-        if type(model).__name__ in diffusers.ADAPTERS:
-            return "diffusers", diffusers.apply
-    if module.startswith("library."):
-        from .integrations import sd_scripts
+        name = "diffusers"
+    elif module.startswith("library."):
+        from .integrations.sd_scripts import FAMILIES as known
 
-        if type(model).__name__ in sd_scripts.FAMILIES:
-            return "sd-scripts", sd_scripts.apply
-    return None
+        name = "sd-scripts"
+    else:
+        return None
+    adapter = known.get(type(model).__name__)
+    return None if adapter is None else (name, adapter)
 
 
-def apply_blocks(
+def apply_adapter(
     model: nn.Module,
-    config: CompileConfig | None = None,
+    config: CompileConfig | None,
+    adapter: ModelAdapter | None,
     blocks: Sequence[str | nn.ModuleList] | None = None,
 ) -> Acceleration:
-    """`apply` without looking for an integration: the blocks given, or the repeated blocks found."""
+    """`apply`'s one path, and the integrations' `apply`: the adapter's block lists, rewrite and
+    offload ladder; without an adapter, the `blocks` given (None: the repeated blocks found).
+
+    Everything is checked, once, before the rewrite runs. `restore()` runs the rewrite's undo,
+    or it runs at once if applying raises. Mode "off" leaves the model as it is, rewrite
+    included (the eager baseline of a benchmark)."""
     config = _checked_config(config)
     _check_model(model)
     if config.mode != "off":
@@ -203,8 +212,29 @@ def apply_blocks(
             "activation_memory_budget='auto' without a GPU needs CompileConfig.vram_limit_gib "
             "(on a CPU the limit applies to the bytes saved for backward)"
         )
-    block_lists = resolve_block_lists(model, blocks)
+    block_lists = resolve_block_lists(model, adapter.block_paths(model) if adapter else blocks)
 
+    # Everything above only looked; from here on the model changes, the adapter's rewrite first:
+    # the regions are found in the rewritten model.
+    undo = adapter.prepare(model) if adapter and adapter.prepare and config.mode != "off" else None
+    try:
+        acceleration = _compile_blocks(model, config, block_lists, adapter.offload_ladder if adapter else None)
+    except Exception:
+        if undo:
+            undo()
+        raise
+    if undo:
+        acceleration.on_remove(undo)
+    return acceleration
+
+
+def _compile_blocks(
+    model: nn.Module,
+    config: CompileConfig,
+    block_lists: list[BlockList],
+    offload_ladder: ModelOffloadLadder | None,
+) -> Acceleration:
+    """apply_adapter's second half, on input it has checked: find the regions, then install them."""
     stats = Stats()
     shared: dict[Callable, CompiledFunction] = {}
     regions = []
@@ -231,7 +261,7 @@ def apply_blocks(
         else ([], [])
     )
 
-    # Everything above only looked; from here on the model changes.
+    # Everything above only looked; from here on the regions change the model.
     checkpointing.turn_off(switches)
     if uncheckpointed:
         warn(
@@ -256,13 +286,19 @@ def apply_blocks(
                 fn.use_budget(budget, counts)
 
         blocks = [block for block_list in block_lists for block in block_list.blocks]
+
+        def find_ladder(device: torch.device) -> OffloadLadder | None:
+            if offload_ladder is not None:
+                return offload_ladder(model, device, acceleration)
+            return offload_fraction_ladder(blocks)
+
         acceleration.auto_budget = AutoBudget(
             model,
             set_budget,
             stats,
             config.vram_limit_gib,
             acceleration.signature,
-            lambda device: offload_fraction_ladder(blocks),
+            find_ladder,
         )
         acceleration.on_remove(acceleration.auto_budget.remove)
     acceleration.on_remove(_watch_uncalled_regions(model, regions, stats).remove)
@@ -287,26 +323,3 @@ def _watch_uncalled_regions(model: nn.Module, regions: list[Region], stats: Stat
 
     handle = model.register_forward_hook(hook)
     return handle
-
-
-def apply_prepared(
-    model: nn.Module,
-    config: CompileConfig | None,
-    blocks: Sequence[str | nn.ModuleList] | None,
-    prepare: Callable[[nn.Module], Callable[[], None]] | None,
-) -> Acceleration:
-    """`apply` after an integration's rewrite of the model: `prepare(model)` returns its undo,
-    which `remove()` runs, or which runs at once if `apply` raises. Mode "off" leaves the model
-    as it is, rewrite included (the eager baseline of a benchmark)."""
-    config = _checked_config(config)
-    _check_model(model)  # before the rewrite: a second apply must not touch the first one's
-    undo = prepare(model) if prepare and config.mode != "off" else None
-    try:
-        acceleration = apply_blocks(model, config, blocks)
-    except Exception:
-        if undo:
-            undo()
-        raise
-    if undo:
-        acceleration.on_remove(undo)
-    return acceleration

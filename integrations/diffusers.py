@@ -16,7 +16,6 @@ everything done here. Other diffusers models work with `compile_accel.apply` dir
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,19 +23,12 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from compile_accel import Acceleration, CompileConfig
-from compile_accel.api import apply_prepared
-from compile_accel.blocks import UNET_BLOCK_LISTS, match_block_lists
+from compile_accel.adapters import ModelAdapter, Undo
+from compile_accel.api import apply_adapter
+from compile_accel.blocks import UNET_BLOCK_LISTS
 from compile_accel.patching import ModuleFunctionPatch
 from compile_accel.regions import restore_forward
 from compile_accel.rotary import real_table, rotate_interleaved
-
-Undo = Callable[[], None]
-
-
-@dataclass(frozen=True)
-class Adapter:
-    blocks: tuple[str, ...]  # glob patterns of the block lists' paths (match_block_lists)
-    prepare: Callable[[nn.Module], Undo] | None = None
 
 
 def _real_or_complex_rotary(head_axis: int) -> Callable[[Callable], Callable]:
@@ -91,15 +83,15 @@ _QWEN_ROTARY = ModuleFunctionPatch(
     "diffusers.models.transformers.transformer_qwenimage", "apply_rotary_emb_qwen", _real_or_complex_rotary(head_axis=1)
 )
 
-ADAPTERS: dict[str, Adapter] = {
-    "Lumina2Transformer2DModel": Adapter(
+ADAPTERS: dict[str, ModelAdapter] = {
+    "Lumina2Transformer2DModel": ModelAdapter(
         ("context_refiner", "noise_refiner", "layers"), _real_rope("rope_embedder", _LUMINA2_ROTARY)
     ),
-    "QwenImageTransformer2DModel": Adapter(("transformer_blocks",), _real_rope("pos_embed", _QWEN_ROTARY)),
-    "FluxTransformer2DModel": Adapter(("transformer_blocks", "single_transformer_blocks")),
-    "SD3Transformer2DModel": Adapter(("transformer_blocks",)),
-    "WanTransformer3DModel": Adapter(("blocks",)),
-    "UNet2DConditionModel": Adapter(UNET_BLOCK_LISTS),
+    "QwenImageTransformer2DModel": ModelAdapter(("transformer_blocks",), _real_rope("pos_embed", _QWEN_ROTARY)),
+    "FluxTransformer2DModel": ModelAdapter(("transformer_blocks", "single_transformer_blocks")),
+    "SD3Transformer2DModel": ModelAdapter(("transformer_blocks",)),
+    "WanTransformer3DModel": ModelAdapter(("blocks",)),
+    "UNet2DConditionModel": ModelAdapter(UNET_BLOCK_LISTS),
 }
 
 
@@ -111,4 +103,4 @@ def apply(model: nn.Module, config: CompileConfig | None = None) -> Acceleration
             f"no diffusers adapter for {type(model).__name__} (adapters: {sorted(ADAPTERS)}); "
             "compile_accel.apply(model, config) finds the blocks of other diffusers models"
         )
-    return apply_prepared(model, config, match_block_lists(model, adapter.blocks), adapter.prepare)
+    return apply_adapter(model, config, adapter)

@@ -31,7 +31,6 @@ import runpy
 import sys
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +39,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from compile_accel import Acceleration, CompileConfig
-from compile_accel.api import apply_prepared
+from compile_accel.adapters import ModelAdapter, ModelOffloadLadder, Undo, UnknownLayout
+from compile_accel.api import apply_adapter
 from compile_accel.auto_budget import OffloadLadder, spaced_levels
-from compile_accel.blocks import UNET_BLOCK_LISTS, match_block_lists
+from compile_accel.blocks import UNET_BLOCK_LISTS
 from compile_accel.compile_cache import RunCompileCache
 from compile_accel.dynamo_settings import HAS_BUDGET_KNOB, HAS_CACHE_ARTIFACTS, cpp_compiler
 from compile_accel.memory import gib_argument
@@ -51,21 +51,10 @@ from compile_accel.rotary import real_table, rotate_interleaved
 
 SELECTIVE_ENV = "SDSCRIPTS_SELECTIVE_TORCH_COMPILE"
 BUDGET_ENV = "SDSCRIPTS_TORCH_COMPILE_ACTIVATION_MEMORY_BUDGET"
-Undo = Callable[[], None]
 
 
 class LaunchError(Exception):
     """The launcher cannot run this script as asked; the message says why."""
-
-
-@dataclass(frozen=True)
-class Family:
-    """Where one sd-scripts model class keeps its blocks (glob patterns over module names), its
-    adapter, and the most blocks its `enable_block_swap` accepts (None: it has no block swap)."""
-
-    blocks: tuple[str, ...]
-    prepare: Callable[[nn.Module], Undo] | None = None
-    most_swapped: Callable[[nn.Module], int] | None = None
 
 
 def _flux_most_swapped(model: nn.Module) -> int:
@@ -117,22 +106,25 @@ def _prepare_swap_after_no_grad_forwards(model: nn.Module) -> Undo:
     return undo
 
 
-def block_swap_ladder(
-    model: nn.Module, family: Family, device: torch.device, acceleration: Acceleration
-) -> OffloadLadder:
-    """Blocks swapped, from what the trainer set up (--blocks_to_swap, 0 without) to the most the
-    model accepts: the ladder activation_memory_budget="auto" climbs when no budget fits."""
-    start = model.blocks_to_swap or 0
-    hooked: list[Undo] = []
+def block_swap_ladder(most_swapped: Callable[[nn.Module], int]) -> ModelOffloadLadder:
+    """A family's ModelAdapter.offload_ladder, given the most blocks its `enable_block_swap`
+    accepts: blocks swapped, from what the trainer set up (--blocks_to_swap, 0 without) to that
+    most, the ladder activation_memory_budget="auto" climbs when no budget fits."""
 
-    def set_level(count: float) -> None:
-        _set_blocks_to_swap(model, int(count), device)
-        if count and not start and not hooked:
-            hooked.append(_prepare_swap_after_no_grad_forwards(model))
-            acceleration.on_remove(hooked[0])
+    def ladder(model: nn.Module, device: torch.device, acceleration: Acceleration) -> OffloadLadder:
+        start = model.blocks_to_swap or 0
+        hooked: list[Undo] = []
 
-    levels = spaced_levels(start, max(start, family.most_swapped(model)), whole=True)
-    return OffloadLadder("blocks_to_swap", levels, set_level)
+        def set_level(count: float) -> None:
+            _set_blocks_to_swap(model, int(count), device)
+            if count and not start and not hooked:
+                hooked.append(_prepare_swap_after_no_grad_forwards(model))
+                acceleration.on_remove(hooked[0])
+
+        levels = spaced_levels(start, max(start, most_swapped(model)), whole=True)
+        return OffloadLadder("blocks_to_swap", levels, set_level)
+
+    return ladder
 
 
 def _real_or_complex_rope(original: Callable) -> Callable:
@@ -238,16 +230,19 @@ def _prepare_lumina(model: nn.Module) -> Undo:
     return undo
 
 
-# Keyed by class name; only classes defined in sd-scripts' library/ are looked up.
-FAMILIES: dict[str, Family] = {
-    "NextDiT": Family(
-        ("context_refiner", "noise_refiner", "layers"), _prepare_lumina, lambda model: len(model.layers) - 2
+# Keyed by class name; only classes defined in sd-scripts' library/ are looked up. The models
+# with block swap (the most blocks each accepts) climb it under auto.
+FAMILIES: dict[str, ModelAdapter] = {
+    "NextDiT": ModelAdapter(
+        ("context_refiner", "noise_refiner", "layers"),
+        prepare=_prepare_lumina,
+        offload_ladder=block_swap_ladder(lambda model: len(model.layers) - 2),
     ),
-    "Flux": Family(("double_blocks", "single_blocks"), most_swapped=_flux_most_swapped),
-    "MMDiT": Family(("joint_blocks",), most_swapped=lambda model: model.num_blocks - 2),
+    "Flux": ModelAdapter(("double_blocks", "single_blocks"), offload_ladder=block_swap_ladder(_flux_most_swapped)),
+    "MMDiT": ModelAdapter(("joint_blocks",), offload_ladder=block_swap_ladder(lambda model: model.num_blocks - 2)),
     # U-Nets: every layer the model's loop calls (ResBlocks, transformers, down/upsamplers).
-    "SdxlUNet2DConditionModel": Family(("input_blocks.*", "middle_block", "output_blocks.*")),
-    "UNet2DConditionModel": Family(UNET_BLOCK_LISTS),
+    "SdxlUNet2DConditionModel": ModelAdapter(("input_blocks.*", "middle_block", "output_blocks.*")),
+    "UNet2DConditionModel": ModelAdapter(UNET_BLOCK_LISTS),
 }
 
 
@@ -255,27 +250,14 @@ def is_sd_scripts_model(module: Any) -> bool:
     return isinstance(module, nn.Module) and type(module).__module__.startswith("library.")
 
 
-def _block_lists(model: nn.Module, family: Family) -> list[str]:
-    paths = match_block_lists(model, family.blocks)
-    if not paths:
-        raise LaunchError(
-            f"unknown sd-scripts layout: {type(model).__name__} has no ModuleList matching {list(family.blocks)}"
-        )
-    return paths
-
-
 def apply(model: nn.Module, config: CompileConfig) -> Acceleration:
     """compile_accel.apply on an sd-scripts model: its family's block lists (and adapter), or
     the repeated blocks compile_accel finds for a class without one. Call it after LoRA's
     apply_to, before the first step; `remove()` undoes the adapter too. With
     activation_memory_budget="auto", a model with block swap (Flux, SD3, Lumina 2) swaps more
-    blocks when no budget fits (see block_swap_ladder)."""
-    family = FAMILIES.get(type(model).__name__)
-    blocks = _block_lists(model, family) if family else None
-    acceleration = apply_prepared(model, config, blocks, family.prepare if family else None)
-    if acceleration.auto_budget is not None and family is not None and family.most_swapped is not None:
-        acceleration.auto_budget.find_ladder = lambda device: block_swap_ladder(model, family, device, acceleration)
-    return acceleration
+    blocks when no budget fits (see block_swap_ladder). UnknownLayout for a family's class
+    without its block lists."""
+    return apply_adapter(model, config, FAMILIES.get(type(model).__name__))
 
 
 # ---- command-line flags -------------------------------------------------------------------
@@ -451,10 +433,13 @@ class Launch:
             _say(f"{missing}; training continues eager")
             self.config = None
             return
-        self.acceleration = apply(model, self.config)
+        try:
+            self.acceleration = apply(model, self.config)
+        except UnknownLayout as error:  # this checkout's models are not the ones the launcher knows
+            raise LaunchError(f"unknown sd-scripts layout: {error}") from None
         if HAS_CACHE_ARTIFACTS and not self.args.no_compile_cache:
             self.compile_cache = RunCompileCache(model, self.acceleration.signature)
-            self.acceleration.on_restore(self.compile_cache.remove)
+            self.acceleration.on_remove(self.compile_cache.remove)
         switched = self.acceleration.stats()["checkpointing_switched_off"]
         _say(
             f"{self.config.mode} compile of {type(model).__name__} "

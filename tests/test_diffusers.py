@@ -3,6 +3,7 @@ graph per block class, and remove()."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -144,11 +145,25 @@ def test_mode_off_leaves_lumina2_untouched() -> None:
     acceleration.remove()
 
 
-def test_bad_config_leaves_lumina2_untouched() -> None:
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"mode": "blocks", "activation_memory_budget": 2.0}, "activation_memory_budget"),
+        ({"mode": "blocks", "backend": "no_such_backend"}, "is not a torch.compile backend"),
+    ],
+)
+def test_bad_config_leaves_lumina2_untouched_and_its_rewrite_not_run(
+    fields: dict, message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model, _, _ = _lumina2()
     before = transformer_lumina2.apply_rotary_emb
-    with pytest.raises(ValueError, match="activation_memory_budget"):
-        accel_diffusers.apply(model, CompileConfig(mode="blocks", activation_memory_budget=2.0))
+    adapter = accel_diffusers.ADAPTERS["Lumina2Transformer2DModel"]
+    rewritten: list[torch.nn.Module] = []
+    spy = dataclasses.replace(adapter, prepare=lambda model: rewritten.append(model) or adapter.prepare(model))
+    monkeypatch.setitem(accel_diffusers.ADAPTERS, "Lumina2Transformer2DModel", spy)
+    with pytest.raises(ValueError, match=message):
+        accel_diffusers.apply(model, CompileConfig(**fields))
+    assert rewritten == []
     assert transformer_lumina2.apply_rotary_emb is before
     assert "forward" not in model.rope_embedder.__dict__
 

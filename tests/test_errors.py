@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn as nn
 from conftest import build
 
 import compile_accel
-from compile_accel import CompileConfig
+from compile_accel import CompileConfig, api
+from compile_accel.adapters import ModelAdapter
+from compile_accel.integrations import diffusers as accel_diffusers
+from compile_accel.integrations import sd_scripts as accel_sd_scripts
 
 
 def _untouched(model: nn.Module, flags: list[bool]) -> None:
@@ -48,6 +53,68 @@ def test_bad_config_is_refused_and_changes_nothing(fields: dict, message: str) -
     with pytest.raises(ValueError, match=message):
         compile_accel.apply(model, CompileConfig(**fields))
     _untouched(model, [True, True])
+
+
+@pytest.mark.parametrize("fields, message", BAD_CONFIGS, ids=[m for _, m in BAD_CONFIGS])
+def test_bad_config_is_refused_before_the_adapters_rewrite_runs(fields: dict, message: str) -> None:
+    model, _ = build("kohya", "non-reentrant")
+    rewritten: list[nn.Module] = []
+
+    def rewrite(model: nn.Module) -> Callable[[], None]:
+        rewritten.append(model)
+        return lambda: None
+
+    with pytest.raises(ValueError, match=message):
+        api.apply_adapter(model, CompileConfig(**fields), ModelAdapter(("double_blocks",), rewrite))
+    assert rewritten == []
+    _untouched(model, [True, True])
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).relu()
+
+
+def _model(module: str, name: str, blocks: str) -> nn.Module:
+    """An instance of a class `name` defined in `module`, with two blocks at `blocks`: what the
+    integrations recognise a model by."""
+    model = type(name, (nn.Module,), {"__module__": module})()
+    model.add_module(blocks, nn.ModuleList([_Block(), _Block()]))
+    return model
+
+
+APPLY_PATHS = {
+    "apply finding the blocks": lambda config: compile_accel.apply(_model("mine", "Model", "blocks"), config),
+    "apply with blocks given": lambda config: compile_accel.apply(
+        _model("library.sd3_models", "MMDiT", "joint_blocks"), config, ["joint_blocks"]
+    ),
+    "apply on a model an integration knows": lambda config: compile_accel.apply(
+        _model("library.sd3_models", "MMDiT", "joint_blocks"), config
+    ),
+    "the sd-scripts integration": lambda config: accel_sd_scripts.apply(
+        _model("library.sd3_models", "MMDiT", "joint_blocks"), config
+    ),
+    "the diffusers integration": lambda config: accel_diffusers.apply(
+        _model("diffusers.models", "SD3Transformer2DModel", "transformer_blocks"), config
+    ),
+}
+
+
+@pytest.mark.parametrize("path", APPLY_PATHS)
+def test_every_way_to_apply_checks_the_config_and_the_model_once(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    checked: list[str] = []
+    for name in ("_check_model", "_check_backend"):
+        check = getattr(api, name)
+        monkeypatch.setattr(api, name, lambda arg, name=name, check=check: checked.append(name) or check(arg))
+    validate = CompileConfig.validate
+    monkeypatch.setattr(CompileConfig, "validate", lambda config: checked.append("validate") or validate(config))
+    acceleration = APPLY_PATHS[path](CompileConfig(mode="blocks", backend="eager"))
+    assert sorted(checked) == ["_check_backend", "_check_model", "validate"]
+    assert acceleration.stats()["regions"] == 2
 
 
 def test_unknown_block_path_lists_candidates() -> None:

@@ -249,6 +249,36 @@ def test_compile_accel_apply_uses_the_family_of_a_known_sd_scripts_model(caplog:
     assert [b.path for b in acceleration.block_lists] == ["joint_blocks"]
 
 
+def test_compile_accel_apply_gives_a_known_sd_scripts_model_its_block_swap_under_auto() -> None:
+    """auto's offload ladder for MMDiT is sd-scripts' block swap, from none to all but two of its
+    blocks, through compile_accel.apply as through the launcher's apply; a class without block
+    swap keeps the default (no LayerOffloadConductor here: none)."""
+    config = CompileConfig(mode="blocks", activation_memory_budget="auto", vram_limit_gib=1, backend="eager")
+    for apply in (compile_accel.apply, accel.apply):
+        mmdit = type("MMDiT", (torch.nn.Module,), {"__module__": "library.sd3_models"})()
+        mmdit.joint_blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(6)])
+        mmdit.num_blocks, mmdit.blocks_to_swap = 6, None
+        ladder = apply(mmdit, config).auto_budget.find_ladder(torch.device("cpu"))
+        assert (ladder.name, ladder.levels) == ("blocks_to_swap", (0, 1, 2, 3, 4))
+    unet = type("SdxlUNet2DConditionModel", (torch.nn.Module,), {"__module__": "library.sdxl_original_unet"})()
+    unet.middle_block = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+    assert compile_accel.apply(unet, config).auto_budget.find_ladder(torch.device("cpu")) is None
+
+
+def test_a_known_class_without_its_block_lists_is_an_unknown_layout_before_anything_changes() -> None:
+    """NextDiT without its lists: compile_accel.apply refuses it before the Lumina rewrite (which
+    would fail on this model), and the launcher reports an unknown sd-scripts layout."""
+    nextdit = type("NextDiT", (torch.nn.Module,), {"__module__": "library.lumina_models"})()
+    nextdit.blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match=r"NextDiT has no ModuleList matching \['context_refiner'"):
+        compile_accel.apply(nextdit, CompileConfig(mode="selective"))
+    launch = accel.Launch()
+    launch.config = CompileConfig(mode="selective")
+    with pytest.raises(accel.LaunchError, match="unknown sd-scripts layout: NextDiT has no ModuleList matching"):
+        launch.accelerate(nextdit, torch.device("cpu"))
+    assert "_compile_accel" not in vars(nextdit)
+
+
 def test_the_first_step_reports_compile_time_once(capsys: pytest.CaptureFixture) -> None:
     model = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
     launch = accel.Launch()
@@ -677,7 +707,7 @@ def test_sdxl_unet_regions_cover_its_resblocks_and_transformers(sd_scripts: Path
 
     with torch.device("meta"):
         unet = sdxl_original_unet.SdxlUNet2DConditionModel()
-    paths = accel._block_lists(unet, accel.FAMILIES["SdxlUNet2DConditionModel"])
+    paths = accel.FAMILIES["SdxlUNet2DConditionModel"].block_paths(unet)
     block_lists = resolve_block_lists(unet, paths)
     layers = [type(block).__name__ for bl in block_lists for _, block in bl.named_blocks()]
     # Every ResBlock (6 down, 2 middle, 9 up) and transformer (4, 1, 6) the U-Net's loop calls;
