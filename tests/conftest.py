@@ -8,6 +8,9 @@ import tempfile
 
 # Compiles of identical graphs across tests hit this cache (.ci/run points it at a per-run dir).
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "compile_accel_tests_inductor"))
+# compile_accel's own caches (auto's calibrations, compiled-graph files) start empty in every run:
+# an entry left in the user's cache by an earlier run would make a test skip what it measures.
+os.environ["COMPILE_ACCEL_CACHE_DIR"] = tempfile.mkdtemp(prefix="compile_accel_tests_cache_")
 
 import pytest
 import torch

@@ -25,6 +25,8 @@ from conftest import as_close_as_eager, relative_error
 
 import compile_accel
 from compile_accel import CompileConfig
+from compile_accel.compile_cache import RunCompileCache
+from compile_accel.dynamo_settings import HAS_CACHE_ARTIFACTS
 from compile_accel.integrations import sd_scripts as accel
 
 SD_SCRIPTS_DIR = os.environ.get("SD_SCRIPTS_DIR")
@@ -277,6 +279,22 @@ def test_a_known_class_without_its_block_lists_is_an_unknown_layout_before_anyth
     with pytest.raises(accel.LaunchError, match="unknown sd-scripts layout: NextDiT has no ModuleList matching"):
         launch.accelerate(nextdit, torch.device("cpu"))
     assert "_compile_accel" not in vars(nextdit)
+
+
+@pytest.mark.skipif(not HAS_CACHE_ARTIFACTS, reason="torch without cache artifacts")
+def test_the_first_step_says_whether_the_runs_compiled_graphs_were_loaded(capsys: pytest.CaptureFixture) -> None:
+    model = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+    launch = accel.Launch()
+    launch.acceleration = compile_accel.apply(model, CompileConfig(mode="off"), blocks=[model])
+    launch.compile_cache = RunCompileCache(model, launch.acceleration.signature)
+    # A ModuleList has no forward of its own: the hook is run by hand, as the model's first call would.
+    launch.compile_cache._first_forward(model, (torch.randn(1, 2),), {})
+    launch.first_step_done()
+    lines = [line for line in capsys.readouterr().err.splitlines() if "first step done" in line]
+    assert lines == [
+        "compile_accel: first step done: 0.0 s compiling (nothing); no inductor graph looked up; 0 graphs, "
+        f"0 recompiles, 0 fallbacks; compiled graphs not yet in {launch.compile_cache.path}"
+    ]
 
 
 def test_the_first_step_reports_compile_time_once(capsys: pytest.CaptureFixture) -> None:
