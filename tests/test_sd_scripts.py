@@ -513,7 +513,7 @@ def test_lumina_unpadded_batches_run_attention_without_masks(sd_scripts: Path, m
     """Captions of one length: NextDiT's caption, image and joint masks are all True; the adapter
     marks them and every compiled attention runs unmasked, with eager's gradients. A padded
     batch after that compiles graphs that keep the mask. remove() undoes the adapter."""
-    from compile_accel import attention, budget
+    from compile_accel import attention, backend
 
     masked = []  # per compiled graph: does its attention get a mask?
 
@@ -521,8 +521,8 @@ def test_lumina_unpadded_batches_run_attention_without_masks(sd_scripts: Path, m
         masked.append([attention._argument(n, "attn_mask") is not None for n in attention._attention_calls(gm)])
         rewrite(gm)
 
-    rewrite = budget.rewrite_attention
-    monkeypatch.setattr(budget, "rewrite_attention", recording)
+    rewrite = backend.rewrite_attention
+    monkeypatch.setattr(backend, "rewrite_attention", recording)
     model, network = _with_lora("lumina2")
 
     def unpadded() -> tuple:
