@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,16 @@ from compile_accel.benchmarks.report import gpu_time_table
 from compile_accel.benchmarks.runner import BenchSettings, run_mode
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "compile_accel.cli", *args], capture_output=True, text=True)
+def _cli(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "compile_accel.cli", *args], capture_output=True, text=True, env={**os.environ, **env}
+    )
+
+
+# The bench model at small latents and one sample: its steps cost little next to its compile, and
+# what the bench tests check does not depend on the shape.
+SMALL = {"res": 64, "batch": 1}
+SMALL_FLAGS = [arg for name, value in SMALL.items() for arg in (f"--{name}", str(value))]
 
 
 def test_doctor_reports_a_usable_setup() -> None:
@@ -31,12 +40,7 @@ def test_doctor_reports_a_usable_setup() -> None:
 
 
 def test_doctor_names_a_missing_compiler_from_cxx() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "compile_accel.cli", "doctor"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "CXX": "/nonexistent/g++"},
-    )
+    proc = _cli("doctor", CXX="/nonexistent/g++")
     assert proc.returncode == 1
     assert "C++ compiler     not found" in proc.stdout
     assert "no C++ compiler" in proc.stderr and "/nonexistent/g++" in proc.stderr
@@ -80,29 +84,58 @@ def test_doctor_asks_windows_users_for_triton_windows(monkeypatch) -> None:
     assert version == "not installed" and "(pip install triton-windows)" in problem
 
 
-def test_bench_runs_each_mode_and_writes_json(tmp_path) -> None:
-    modes = "eager+ckpt,blocks+budget=1.0,eager+ckpt+offload=0.5"
-    proc = _cli("bench", "--modes", modes, "--steps", "2", "--warmup", "1", "--out", str(tmp_path))
+# One bench run with a row of each kind (eager, compiled, offload, data-parallel, split), read by
+# several tests: each mode is a child process that builds and compiles the model.
+BENCH_MODES = [
+    "eager+ckpt",
+    "blocks+budget=1.0",
+    "eager+ckpt+offload=0.5",
+    "blocks+budget=1.0+ddp=2",
+    "blocks+budget=1.0+split=2",
+]
+
+
+@dataclass
+class BenchRun:
+    proc: subprocess.CompletedProcess
+    results: dict[str, dict]  # mode -> its row of bench.json
+    report: dict
+    out: Path
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory: pytest.TempPathFactory) -> BenchRun:
+    out = tmp_path_factory.mktemp("bench")
+    modes = ",".join(BENCH_MODES)
+    # torchrun starts the +ddp processes with OMP_NUM_THREADS=1, and inductor's C++ kernels are
+    # written for the thread count: with one thread in every mode, the +ddp and +split rows find
+    # the kernels the one-process row compiled in the inductor cache.
+    flags = ["--steps", "2", "--warmup", "1", *SMALL_FLAGS, "--out", str(out)]
+    proc = _cli("bench", "--modes", modes, *flags, OMP_NUM_THREADS="1")
     assert proc.returncode == 0, proc.stderr
-    assert "[1/3] eager+ckpt" in proc.stderr and "[2/3] blocks+budget=1.0" in proc.stderr  # progress
-    report = json.loads((tmp_path / "bench.json").read_text())
-    results = {r["mode"]: r for r in report["results"]}
-    assert set(results) == set(modes.split(","))
+    report = json.loads((out / "bench.json").read_text())
+    return BenchRun(proc, {r["mode"]: r for r in report["results"]}, report, out)
+
+
+def test_bench_runs_each_mode_and_writes_json(bench_run: BenchRun) -> None:
+    proc, results = bench_run.proc, bench_run.results
+    assert "[1/5] eager+ckpt" in proc.stderr and "[2/5] blocks+budget=1.0" in proc.stderr  # progress
+    assert list(results) == BENCH_MODES
     assert all(r["step_s_median"] > 0 and r["peak_bytes"] > 0 for r in results.values())
     assert results["blocks+budget=1.0"]["stats"]["compiled_regions"] > 0
     assert results["eager+ckpt"]["stats"]["regions"] == 0
     offload = results["eager+ckpt+offload=0.5"]["stats"]["offload"]
     assert offload["streamed_blocks"] == 3 and offload["bytes_to_device_per_step"] > 0
     assert "| blocks+budget=1.0 |" in proc.stdout and "vs eager+ckpt" in proc.stdout
-    tables = (tmp_path / "bench.md").read_text().strip().split("\n\n")
-    assert [table.count("\n") for table in tables] == [4, 2]  # header, rule and a row per mode; offload rows
-    assert report["environment"]["torch"]
+    tables = (bench_run.out / "bench.md").read_text().strip().split("\n\n")
+    # Header, rule and a row per mode; the offload row; the data-parallel and split rows.
+    assert [table.count("\n") for table in tables] == [6, 2, 3]
+    assert bench_run.report["environment"]["torch"]
 
 
 def test_bench_warm_column_comes_from_a_cache_the_cold_run_filled(tmp_path) -> None:
-    proc = _cli(
-        "bench", "--modes", "blocks+budget=1.0", "--steps", "1", "--warmup", "0", "--warm", "--out", str(tmp_path)
-    )
+    flags = ["--steps", "1", "--warmup", "0", "--warm", *SMALL_FLAGS, "--out", str(tmp_path)]
+    proc = _cli("bench", "--modes", "blocks+budget=1.0", *flags)
     assert proc.returncode == 0, proc.stderr
     result = json.loads((tmp_path / "bench.json").read_text())["results"][0]
     assert result["stats"]["fxgraph_cache_hits"] == 0  # cold: an empty cache of its own
@@ -228,21 +261,18 @@ def test_pareto_front_keeps_only_undominated_settings() -> None:
     assert pareto_front(points) == [1, 2, 3, 4]
 
 
-def test_bench_data_parallel_and_split_rows_train_as_one_process(tmp_path) -> None:
+def test_bench_data_parallel_and_split_rows_train_as_one_process(bench_run: BenchRun) -> None:
     """+ddp=2 runs two gloo processes with the same batch, so DDP's averaged gradients equal one
     process's and the loss after the same steps matches; +split=2 places the blocks on two
     devices (both the CPU here) without changing the result."""
-    modes = "blocks+budget=1.0,blocks+budget=1.0+ddp=2,blocks+budget=1.0+split=2"
-    proc = _cli("bench", "--modes", modes, "--steps", "2", "--warmup", "1", "--out", str(tmp_path))
-    assert proc.returncode == 0, proc.stderr
-    results = {r["mode"]: r for r in json.loads((tmp_path / "bench.json").read_text())["results"]}
-    single, ddp, split = (results[m] for m in modes.split(","))
+    modes = ("blocks+budget=1.0", "blocks+budget=1.0+ddp=2", "blocks+budget=1.0+split=2")
+    single, ddp, split = (bench_run.results[mode] for mode in modes)
     assert (ddp["processes"], ddp["devices"], split["processes"], split["devices"]) == (2, 2, 1, 2)
     for other in (ddp, split):
         assert other["loss"] == pytest.approx(single["loss"], rel=1e-5)
         assert other["stats"]["unique_graphs"] == single["stats"]["unique_graphs"]
         assert other["stats"]["recompiles"] == 0
-    assert "| blocks+budget=1.0+ddp=2 | 2 | 2 |" in proc.stdout
+    assert "| blocks+budget=1.0+ddp=2 | 2 | 2 |" in bench_run.proc.stdout
 
 
 @pytest.mark.parametrize("mode", ["blocks+ckpt+ddp=1", "blocks+ckpt+split=x", "blocks+ckpt+offload=0.5+ddp=2"])
@@ -256,7 +286,7 @@ def test_bench_int8_error_is_the_quantization_alone() -> None:
     steps trained before it is taken does not change it."""
     spec = parse_mode("eager+ckpt+offload=0.5+int8")
     errors = [
-        run_mode(spec, BenchSettings(steps=steps, warmup=0)).stats["offload"]["int8_output_rel_error"]
+        run_mode(spec, BenchSettings(steps=steps, warmup=0, **SMALL)).stats["offload"]["int8_output_rel_error"]
         for steps in (1, 4)
     ]
     assert errors[0] > 0
