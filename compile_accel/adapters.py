@@ -40,7 +40,7 @@ class ModelAdapter:
         real arithmetic, say) and returns the undo; it runs only when something compiles.
     offload_ladder: the model's own way of keeping blocks off the GPU (sd-scripts' block swap),
         called with (model, device, acceleration) as the ladder activation_memory_budget="auto"
-        climbs when no budget fits; None: that of a LayerOffloadConductor holding the blocks.
+        climbs when no budget fits; None: that of a BlockOffloadConductor holding the blocks.
     """
 
     blocks: tuple[str, ...]
