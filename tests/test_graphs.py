@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -11,13 +13,17 @@ from conftest import build, inputs_for, lora_step
 import compile_accel
 from compile_accel import CompileConfig
 
+# Selective with dynamo's default dynamic (the dynamic=True path is the same torch.compile
+# argument, checked on blocks below): the graphs of test_parity's selective cases, compiled once.
 MODES = {
     "blocks": (CompileConfig(mode="blocks", activation_memory_budget=0.5), None),
-    "selective": (CompileConfig(mode="selective", dynamic=True), "non-reentrant"),
+    "selective": (CompileConfig(mode="selective"), "non-reentrant"),
 }
 
 
 def _graphs_after_steps(mode: str, double_blocks: int, single_blocks: int, steps: int = 3) -> list[dict]:
+    """Stats after each of `steps` steps of a fresh model in a fresh dynamo (as in a new process)."""
+    torch._dynamo.reset()
     config, checkpointing = MODES[mode]
     model, params = build("kohya", checkpointing, double_blocks=double_blocks, single_blocks=single_blocks)
     acceleration = compile_accel.apply(model, config)
@@ -29,11 +35,20 @@ def _graphs_after_steps(mode: str, double_blocks: int, single_blocks: int, steps
     return history
 
 
+@pytest.fixture(scope="module")
+def graphs_after_steps() -> Callable[[str, int, int], list[dict]]:
+    """`_graphs_after_steps`, each (mode, block counts) trained once for the whole module."""
+    return functools.cache(_graphs_after_steps)
+
+
+FEW, MANY = (2, 2), (3, 4)
+
+
 @pytest.mark.parametrize("mode", list(MODES))
-def test_graphs_do_not_grow_with_block_count(mode: str) -> None:
-    few = _graphs_after_steps(mode, 2, 2)
+def test_graphs_do_not_grow_with_block_count(mode: str, graphs_after_steps) -> None:
+    few = graphs_after_steps(mode, *FEW)
     # A model with more instances of the same classes compiles no more graphs.
-    many = _graphs_after_steps(mode, 3, 4)
+    many = graphs_after_steps(mode, *MANY)
     assert many[-1]["regions"] > few[-1]["regions"]
     assert many[-1]["unique_graphs"] == few[-1]["unique_graphs"] > 0
     for history in (few, many):
@@ -42,18 +57,18 @@ def test_graphs_do_not_grow_with_block_count(mode: str) -> None:
         assert [s["recompiles"] for s in history] == [0] * len(history)
 
 
-def test_blocks_mode_one_graph_per_block_class() -> None:
-    history = _graphs_after_steps("blocks", 2, 3)
+def test_blocks_mode_one_graph_per_block_class(graphs_after_steps) -> None:
+    history = graphs_after_steps("blocks", *MANY)
     # DoubleStreamBlock and SingleStreamBlock: two classes, two graphs.
     assert history[-1]["unique_graphs"] == 2
-    assert history[-1]["regions"] == 5
+    assert history[-1]["regions"] == sum(MANY)
 
 
 def test_reentrant_selective_compiles_nothing_after_first_step() -> None:
     """Reentrant checkpointing runs the children without grad, then recomputes them with grad:
     two graphs per child where non-reentrant has one, but still nothing new after step one."""
     model, params = build("kohya", "reentrant")
-    acceleration = compile_accel.apply(model, CompileConfig(mode="selective", dynamic=True))
+    acceleration = compile_accel.apply(model, CompileConfig(mode="selective"))
     inputs = inputs_for(model)
     lora_step(model, params, inputs)
     first = acceleration.stats()
