@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from .cache_files import cache_dir, run_key, write_atomically
+from .cache_files import cache_dir, run_inputs, run_key, write_atomically
 from .memory import SavedActivationMeter
 from .stats import Stats, warn
 
@@ -282,8 +282,7 @@ class AutoBudget:
         return None
 
     def calibrate(self, args: tuple, kwargs: dict) -> dict[str, Any]:
-        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        device = next((t.device for t in inputs if t.is_floating_point()), torch.device("cpu"))
+        inputs, device = run_inputs(args, kwargs)
         if self.limit_gib is not None:
             limit = int(self.limit_gib * GIB)
         elif device.type == "cuda":

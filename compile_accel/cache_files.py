@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.utils._pytree as pytree
 
 
 def cache_dir() -> Path:
@@ -27,6 +28,13 @@ def cache_dir() -> Path:
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "compile_accel"
     )
     return Path(root)
+
+
+def run_inputs(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], torch.device]:
+    """The tensors of a model call (nested too) and the device it runs on (its first floating
+    tensor's; the CPU without one): what a run key is made of."""
+    inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    return inputs, next((t.device for t in inputs if t.is_floating_point()), torch.device("cpu"))
 
 
 def run_key(model: nn.Module, compiled: str, inputs: list[torch.Tensor], device: torch.device, *extra: Any) -> str:

@@ -22,9 +22,8 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-import torch.utils._pytree as pytree
 
-from .cache_files import cache_dir, run_key, write_atomically
+from .cache_files import cache_dir, run_inputs, run_key, write_atomically
 from .dynamo_settings import HAS_CACHE_ARTIFACTS
 from .stats import warn
 
@@ -95,8 +94,7 @@ class RunCompileCache:
         if torch.compiler.is_compiling():
             return  # the model compiled whole: its own graphs, which this cache does not key
         self._handle.remove()
-        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        device = next((t.device for t in inputs if t.is_floating_point()), torch.device("cpu"))
+        inputs, device = run_inputs(args, kwargs)
         self.path = cache_dir() / "compiled" / f"{run_key(self.model, self.compiled, inputs, device)}.bin"
         self.loaded = load_compile_cache(self.path)
         self._compiled_before_save = _graphs_compiled()
