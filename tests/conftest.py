@@ -30,6 +30,11 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+# Single-stream blocks only: one block class, whose compile is a fraction of the double-stream
+# block's. For tests whose property does not depend on how many block classes compile.
+ONE_BLOCK_CLASS = {"double_blocks": 0, "single_blocks": 4}
+
+
 def small_config(**overrides) -> TinyDiTConfig:
     fields = dict(dim=32, heads=4, text_dim=24, double_blocks=2, single_blocks=2, rope="real")
     fields.update(overrides)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch._functorch.config
 import torch.nn as nn
-from conftest import build, inputs_for
+from conftest import ONE_BLOCK_CLASS, build, inputs_for
 from torch.utils.checkpoint import checkpoint
 
 import compile_accel
@@ -34,7 +34,7 @@ def test_lower_budget_saves_fewer_activation_bytes_also_after_a_recompile() -> N
     saved = {}
     for budget in (0.0, 0.5, 1.0):
         torch._dynamo.reset()
-        model, _ = build("kohya", None)
+        model, _ = build("kohya", None, **ONE_BLOCK_CLASS)
         # The min-cut partitioner without inductor's code generation: the same choice of what to
         # save, compiled in a fraction of the time.
         config = CompileConfig(mode="blocks", activation_memory_budget=budget, backend="aot_eager_decomp_partition")
