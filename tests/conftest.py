@@ -81,6 +81,28 @@ def lora_step(model: nn.Module, params: list[nn.Parameter], inputs: tuple) -> tu
     return loss.detach(), grads
 
 
+def run_bench(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
+    """`compile-accel bench ARGS` in this process: (exit status, stderr)."""
+    from compile_accel import cli
+
+    try:
+        status = cli.main(["bench", *args])
+    except SystemExit as exit_info:  # argparse's refusals
+        status = exit_info.code
+    return status, capsys.readouterr().err
+
+
+@pytest.fixture
+def no_mode_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if a bench mode starts: every refusal comes before."""
+    from compile_accel.benchmarks import runner
+
+    def run_ab(*args, **kwargs):
+        raise AssertionError("a mode ran")
+
+    monkeypatch.setattr(runner, "run_ab", run_ab)
+
+
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from conftest import run_bench
 
 from compile_accel import cli
 from compile_accel.benchmarks import models, runner
@@ -23,25 +24,6 @@ from compile_accel.benchmarks.models import SdScriptsOptions
 from compile_accel.benchmarks.modes import ModeSpec, parse_mode
 from compile_accel.benchmarks.report import markdown_table
 from compile_accel.benchmarks.runner import BenchSettings, StepResult
-
-
-def _bench(capsys, *args: str) -> tuple[int, str]:
-    """`compile-accel bench ARGS` in this process: (exit status, stderr)."""
-    try:
-        status = cli.main(["bench", *args])
-    except SystemExit as exit_info:  # argparse's refusals
-        status = exit_info.code
-    return status, capsys.readouterr().err
-
-
-@pytest.fixture
-def no_mode_runs(monkeypatch):
-    """Fail the test if a mode starts: every refusal comes before."""
-
-    def run_ab(*args, **kwargs):
-        raise AssertionError("a mode ran")
-
-    monkeypatch.setattr(runner, "run_ab", run_ab)
 
 
 @pytest.mark.parametrize(
@@ -64,7 +46,7 @@ def no_mode_runs(monkeypatch):
     ],
 )
 def test_bench_refuses_memory_options_that_cannot_apply(capsys, no_mode_runs, flags: list[str], message: str) -> None:
-    status, err = _bench(capsys, "--device", "cpu", *flags)
+    status, err = run_bench(capsys, "--device", "cpu", *flags)
     assert status == 2
     assert message in err
 
@@ -85,7 +67,7 @@ def test_bench_refuses_memory_options_that_cannot_apply(capsys, no_mode_runs, fl
     ],
 )
 def test_bench_refuses_bad_option_values(capsys, no_mode_runs, flag: str, value: str, wanted: str) -> None:
-    status, err = _bench(capsys, "--model", "sdscripts-flux", flag, value)
+    status, err = run_bench(capsys, "--model", "sdscripts-flux", flag, value)
     assert status == 2
     assert f"argument {flag}: expected {wanted}, got '{value}'" in err
 
