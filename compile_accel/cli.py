@@ -48,6 +48,32 @@ def triton_status() -> tuple[str, str | None]:
     return triton.__version__, None
 
 
+# Modules of torch's compiler that every first compile imports.
+COMPILER_MODULES = ("torch._dynamo.convert_frame", "torch._inductor.compile_fx", "torch._inductor.scheduler")
+
+
+def bytecode_status(modules: tuple[str, ...] = COMPILER_MODULES) -> tuple[str, str | None]:
+    """(doctor's bytecode text, a hint or None). A torch installed without bytecode
+    (`__pycache__`), where Python writes none (PYTHONDONTWRITEBYTECODE, or a read-only install),
+    compiles its compiler's sources again in every process: seconds of each first step."""
+    import importlib.util
+
+    sources = [getattr(importlib.util.find_spec(name), "origin", None) for name in modules]
+    sources = [source for source in sources if source and source.endswith(".py")]
+    missing = [source for source in sources if not os.path.exists(importlib.util.cache_from_source(source))]
+    if not missing:
+        return "yes", None
+    unwritten = sys.dont_write_bytecode or not all(os.access(os.path.dirname(source), os.W_OK) for source in missing)
+    if not unwritten:
+        return "not yet (the first import writes it)", None
+    package = os.path.dirname(importlib.util.find_spec("torch").origin)
+    why = "PYTHONDONTWRITEBYTECODE is set" if sys.dont_write_bytecode else "the install is read-only"
+    return f"no, and none is written ({why})", (
+        f"torch's compiler modules have no bytecode and {why}: every process compiles their sources again, "
+        f"seconds of each first step. Byte-compile once (as pip does at install): python -m compileall -q {package}"
+    )
+
+
 def doctor(args: argparse.Namespace) -> int:
     import torch
 
@@ -84,6 +110,8 @@ def doctor(args: argparse.Namespace) -> int:
         f"eager backward   {'yes' if ds.HAS_EAGER_BACKWARD_KNOB else 'no'} "
         "(backward graphs compile with the forward: a compile error there falls back to eager)"
     )
+    bytecode, hint = bytecode_status()
+    print(f"bytecode         {bytecode} (torch's compiler modules)")
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     print(f"cache directory  {cache_dir()}")
@@ -100,6 +128,8 @@ def doctor(args: argparse.Namespace) -> int:
             problems.append(f"inductor could not compile a small function on {device}: {error}")
     for problem in problems:
         print(f"problem: {problem}", file=sys.stderr)
+    if hint:
+        print(f"hint: {hint}", file=sys.stderr)
     print("usable" if not problems else "not usable")
     return 1 if problems else 0
 
