@@ -52,19 +52,18 @@ def test_doctor_hints_at_byte_compiling_a_torch_that_has_no_bytecode(tmp_path, m
     again; doctor says how to byte-compile. With the bytecode written, nothing to say."""
     import py_compile
 
-    (tmp_path / "compilerish").mkdir()
-    (tmp_path / "compilerish" / "__init__.py").write_text("")
-    (tmp_path / "compilerish" / "passes.py").write_text("x = 1\n")
+    source = tmp_path / "compilerish_passes.py"  # top level: finding it imports nothing
+    source.write_text("x = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.invalidate_caches()
-    modules = ("compilerish.passes",)
+    modules = ("compilerish_passes",)
     monkeypatch.setattr(sys, "dont_write_bytecode", False)
     assert cli.bytecode_status(modules) == ("not yet (the first import writes it)", None)
     monkeypatch.setattr(sys, "dont_write_bytecode", True)
     text, hint = cli.bytecode_status(modules)
     assert text.startswith("no") and "PYTHONDONTWRITEBYTECODE" in hint
     assert f"python -m compileall -q {os.path.dirname(torch.__file__)}" in hint
-    py_compile.compile(str(tmp_path / "compilerish" / "passes.py"), doraise=True)
+    py_compile.compile(str(source), doraise=True)
     assert cli.bytecode_status(modules) == ("yes", None)
 
 
