@@ -238,8 +238,7 @@ def _compile_blocks(
     stats = Stats()
     shared: dict[Callable, CompiledFunction] = {}
     regions = []
-    candidates = region_specs(config.mode, block_lists)
-    for spec in (s for s in candidates if not is_excluded(s.name, config.exclude)):
+    for spec in region_specs(config.mode, block_lists, config.exclude):
         method = getattr(spec.module, spec.method)
         fn = getattr(method, "__func__", method)
         if fn not in shared:
@@ -257,7 +256,7 @@ def _compile_blocks(
         if sub is not region.module and is_excluded(sub_name, config.exclude)
     ]
     switches, uncheckpointed = (
-        checkpointing.find_checkpoint_switches(model, [s.name for s in candidates], {r.spec.name for r in regions})
+        checkpointing.find_checkpoint_switches(model, block_lists, {r.spec.name for r in regions})
         if config.mode == "blocks" and config.activation_memory_budget is not None
         else ([], [])
     )

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from .blocks import BlockList
+
 logger = logging.getLogger("compile_accel")
 
 
@@ -30,34 +32,37 @@ class CheckpointSwitch:
         self.module.gradient_checkpointing = True
 
 
-def _ancestors(model: nn.Module, path: str) -> list[tuple[str, str, nn.Module]]:
-    """(path, display name, module) of every module above `path`, the model first."""
+def _ancestors(model: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
     parts = path.split(".")
     prefixes = [".".join(parts[:i]) for i in range(len(parts))]
-    return [(prefix, prefix or type(model).__name__, model.get_submodule(prefix)) for prefix in prefixes]
+    return [(prefix or type(model).__name__, model.get_submodule(prefix)) for prefix in prefixes]
 
 
 def find_checkpoint_switches(
-    model: nn.Module, units: list[str], compiled: set[str]
+    model: nn.Module, block_lists: list[BlockList], compiled: set[str]
 ) -> tuple[list[CheckpointSwitch], list[str]]:
-    """The `gradient_checkpointing` flags that are True on a compiled region's module (its path
-    in `compiled`), on a module inside it, or on a module above it; and the regions `units`
-    holds that are left uncompiled below one of those flags, which lose their checkpointing
-    with it."""
+    """The `gradient_checkpointing` flags that are True on a compiled block (named in `compiled`),
+    on a module inside it, or on a module above its block list; and the blocks left uncompiled that one of those
+    flags above them governs too, which lose their checkpointing with it."""
     switches: dict[int, CheckpointSwitch] = {}
-    above: set[str] = set()  # paths of the switched modules above compiled regions
-    for unit in (u for u in units if u in compiled):
-        for path, name, module in _ancestors(model, unit):
+    governed: dict[int, list[str]] = {}  # id(module above block lists) -> their blocks' names
+    for block_list in block_lists:
+        blocks = block_list.named_blocks()
+        for name, module in _ancestors(model, block_list.path):
             if getattr(module, "gradient_checkpointing", None) is True:
-                switches.setdefault(id(module), CheckpointSwitch(name, module))
-                above.add(path)
-        # The region's own flag, or one inside it (diffusers' Transformer2DModel checkpoints
-        # each of its transformer blocks).
-        for name, module in model.get_submodule(unit).named_modules(prefix=unit):
-            if getattr(module, "gradient_checkpointing", None) is True:
-                switches.setdefault(id(module), CheckpointSwitch(name, module))
-    uncompiled = [u for u in units if u not in compiled and any(p == "" or u.startswith(p + ".") for p in above)]
-    return list(switches.values()), uncompiled
+                governed.setdefault(id(module), []).extend(n for n, _ in blocks)
+                if any(n in compiled for n, _ in blocks):
+                    switches.setdefault(id(module), CheckpointSwitch(name, module))
+        for name, block in blocks:
+            if name not in compiled:
+                continue
+            # The block's own flag, or one inside it (a U-Net's Transformer2DModel checkpoints
+            # each of its transformer blocks).
+            for sub_name, module in block.named_modules(prefix=name):
+                if getattr(module, "gradient_checkpointing", None) is True:
+                    switches.setdefault(id(module), CheckpointSwitch(sub_name, module))
+    uncompiled = [n for key in switches if key in governed for n in governed[key] if n not in compiled]
+    return list(switches.values()), list(dict.fromkeys(uncompiled))
 
 
 def turn_off(switches: list[CheckpointSwitch]) -> None:

@@ -1,6 +1,6 @@
 """Which modules become compiled regions, and which of their methods is compiled.
 
-mode "blocks": every block's forward (a block holding repeated blocks of its own: those blocks).
+mode "blocks": every block's forward.
 
 mode "selective": what runs inside each block's gradient checkpoint, in the largest pieces
 that hold no checkpoint call themselves, so the checkpoint wrapper stays eager:
@@ -25,7 +25,7 @@ from fnmatch import fnmatchcase
 
 import torch.nn as nn
 
-from .blocks import BlockList, find_block_lists
+from .blocks import BlockList
 
 # Children with no compute worth a graph.
 _TRIVIAL = (nn.Identity, nn.Dropout)
@@ -148,34 +148,13 @@ def compute_regions(name: str, block: nn.Module) -> list[RegionSpec]:
     return regions
 
 
-def _inner_block_lists(block: nn.Module) -> list[BlockList]:
-    """The block's own repeated blocks: lists of two or more modules of one class defined
-    outside torch (not, say, a pair of Linears)."""
-    return [bl for bl in find_block_lists(block) if not type(bl.blocks[0]).__module__.startswith("torch.")]
-
-
-def whole_block_regions(name: str, block: nn.Module) -> list[RegionSpec]:
-    """The regions of one block in blocks mode: the block's forward; or, for a block that
-    holds repeated blocks of its own (a U-Net's Transformer2DModel and its ten transformer
-    blocks), those blocks, so that one graph serves all of them instead of one graph per
-    container unrolling them (SDXL: a tenth of the transformer code to compile). The
-    container's own few layers around them stay eager."""
-    inner = _inner_block_lists(block)
-    if not inner:
-        return [RegionSpec(name, block)]
-    return [
-        region
-        for block_list in inner
-        for inner_name, inner_block in block_list.named_blocks()
-        for region in whole_block_regions(f"{name}.{inner_name}", inner_block)
-    ]
-
-
-def region_specs(mode: str, block_lists: list[BlockList]) -> list[RegionSpec]:
-    """Every region for `mode`, before CompileConfig.exclude (is_excluded) takes any out."""
+def region_specs(mode: str, block_lists: list[BlockList], exclude: list[str]) -> list[RegionSpec]:
+    """Every region for `mode`, minus the excluded modules."""
     blocks = [nb for bl in block_lists for nb in bl.named_blocks()]
     if mode == "blocks":
-        return [region for name, block in blocks for region in whole_block_regions(name, block)]
-    if mode == "selective":
-        return [region for name, block in blocks for region in compute_regions(name, block)]
-    return []
+        regions = [RegionSpec(name, block) for name, block in blocks]
+    elif mode == "selective":
+        regions = [region for name, block in blocks for region in compute_regions(name, block)]
+    else:
+        regions = []
+    return [region for region in regions if not is_excluded(region.name, exclude)]

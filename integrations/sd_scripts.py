@@ -230,24 +230,6 @@ def _prepare_lumina(model: nn.Module) -> Undo:
     return undo
 
 
-def _prepare_sdxl(model: nn.Module) -> Undo:
-    """sd-scripts' SDXL U-Net checkpoints each layer with `use_reentrant=USE_REENTRANT`, a module
-    global that is True: a reentrant checkpoint runs the body's first forward with grad off and
-    its recompute with grad on, so each compiled body would compile twice (a no-grad graph and
-    a training graph). The non-reentrant checkpoint, every other sd-scripts model's, computes
-    the same gradients with one graph per body: half the first step's compiling."""
-    unet_module = sys.modules.get(type(model).__module__)
-    before = getattr(unet_module, "USE_REENTRANT", None)
-    if before is None:  # a version without the global: nothing to switch
-        return lambda: None
-    unet_module.USE_REENTRANT = False
-
-    def undo() -> None:
-        unet_module.USE_REENTRANT = before
-
-    return undo
-
-
 # Keyed by class name; only classes defined in sd-scripts' library/ are looked up. The models
 # with block swap (the most blocks each accepts) climb it under auto.
 FAMILIES: dict[str, ModelAdapter] = {
@@ -259,7 +241,7 @@ FAMILIES: dict[str, ModelAdapter] = {
     "Flux": ModelAdapter(("double_blocks", "single_blocks"), offload_ladder=block_swap_ladder(_flux_most_swapped)),
     "MMDiT": ModelAdapter(("joint_blocks",), offload_ladder=block_swap_ladder(lambda model: model.num_blocks - 2)),
     # U-Nets: every layer the model's loop calls (ResBlocks, transformers, down/upsamplers).
-    "SdxlUNet2DConditionModel": ModelAdapter(("input_blocks.*", "middle_block", "output_blocks.*"), prepare=_prepare_sdxl),
+    "SdxlUNet2DConditionModel": ModelAdapter(("input_blocks.*", "middle_block", "output_blocks.*")),
     "UNet2DConditionModel": ModelAdapter(UNET_BLOCK_LISTS),
 }
 

@@ -31,31 +31,23 @@ CONTEXT_DIM = common.SMALL_CLIP[768]["hidden_size"] + common.SMALL_CLIP[1280]["h
 ADM_IN_CHANNELS = common.SMALL_CLIP[1280]["projection_dim"] + 6 * 256
 
 
-def _small_transformers(init: Callable[..., None], layers: int) -> Callable[..., None]:
+def _one_small_layer(init: Callable[..., None]) -> Callable[..., None]:
     def small_init(self: torch.nn.Module, *args: object, **kwargs: object) -> None:
-        init(self, *args, **{**kwargs, "num_transformer_layers": layers, "cross_attention_dim": CONTEXT_DIM})
+        init(self, *args, **{**kwargs, "num_transformer_layers": 1, "cross_attention_dim": CONTEXT_DIM})
 
     return small_init
 
 
-def small_factories(transformer_layers: int = 1) -> list[common.Patch]:
+def small_factories() -> list[common.Patch]:
     unet = sdxl_original_unet
     return [
         (unet, "MODEL_CHANNELS", MODEL_CHANNELS),
         (unet, "TIME_EMBED_DIM", MODEL_CHANNELS * 4),
         (unet, "ADM_IN_CHANNELS", ADM_IN_CHANNELS),
         (unet, "CONTEXT_DIM", CONTEXT_DIM),
-        (unet.Transformer2DModel, "__init__", _small_transformers(unet.Transformer2DModel.__init__, transformer_layers)),
+        (unet.Transformer2DModel, "__init__", _one_small_layer(unet.Transformer2DModel.__init__)),
         (sdxl_model_util, "CLIPTextConfig", common.small_clip(transformers.CLIPTextConfig)),
     ]
-
-
-def small_unet(transformer_layers: int = 1) -> sdxl_original_unet.SdxlUNet2DConditionModel:
-    """The small U-Net alone (SDPA attention, as sdxl_train_network.py's --sdpa sets it)."""
-    with common.patched(small_factories(transformer_layers)):
-        unet = sdxl_original_unet.SdxlUNet2DConditionModel()
-    unet.set_use_sdpa(True)
-    return unet
 
 
 def shrink_factories() -> None:
@@ -71,7 +63,8 @@ def make_workspace(root: Path) -> dict[str, Path]:
 
     torch.manual_seed(0)
     paths = {"dataset": common.write_dataset(root), "hub": root / "hub", "checkpoint": root / "sdxl.safetensors"}
-    unet = small_unet()
+    with common.patched(small_factories()):
+        unet = sdxl_original_unet.SdxlUNet2DConditionModel()
     text_encoders = common.small_clip_model(768, projection=False), common.small_clip_model(1280, projection=True)
     vae = AutoencoderKL(**model_util.create_vae_diffusers_config())
     sdxl_model_util.save_stable_diffusion_checkpoint(
