@@ -149,8 +149,16 @@ class CompiledFunction:
             stats.compile_seconds += time.perf_counter() - start
             stats.graph_breaks += new_breaks
         if stats.graphs != graphs:
-            if new_context:
-                logger.info("compiled %s in %.1f s", context[0].__name__, time.perf_counter() - start)
+            # Every graph, not only a class's first: a U-Net compiles a graph per layer shape,
+            # minutes of first step that would otherwise pass without a line.
+            logger.info(
+                "compiled %s (%s%s) in %.1f s (graphs compiled so far: %d)",
+                context[0].__name__,
+                "training" if context[1] else "no grad",
+                "" if new_context else ", new input shapes",
+                time.perf_counter() - start,
+                stats.graphs,
+            )
             self.compiled_contexts.add(context)
             if self.backend.saw_checkpoint:
                 self.backend.saw_checkpoint = False
