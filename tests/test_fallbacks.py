@@ -243,20 +243,6 @@ def test_selective_looks_into_forwardless_children_and_warns_about_uncalled_regi
     assert stats["unique_graphs"] == 1  # one _Affine graph, for every child that was called
 
 
-def test_every_compiled_graph_is_logged_with_the_count_so_far(caplog: pytest.LogCaptureFixture) -> None:
-    """A first step that compiles many shapes (a U-Net's layers) says so graph by graph."""
-    model = _Stack([nn.Linear(8, 8), nn.Linear(8, 8)])
-    compile_accel.apply(model, CompileConfig(mode="blocks", backend="aot_eager", dynamic=False))
-    with caplog.at_level("INFO", logger="compile_accel"):
-        model(torch.randn(4, 8))
-        model(torch.randn(4, 8))  # no new graph, no line
-        model(torch.randn(6, 8))
-    compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiled ")]
-    assert len(compiled) == 2
-    assert compiled[0].startswith("compiled Linear (training) in ") and compiled[0].endswith("(graphs compiled so far: 1)")
-    assert "new input shapes" in compiled[1] and compiled[1].endswith("(graphs compiled so far: 2)")
-
-
 def test_a_wrong_call_raises_its_own_error_and_leaves_compiling_on() -> None:
     model = _Stack([nn.Linear(8, 8) for _ in range(3)])
     x = torch.randn(4, 8)

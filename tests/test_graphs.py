@@ -191,15 +191,19 @@ class _MLPBlock(torch.nn.Module):
         return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
 
 
-def test_the_first_compile_of_each_block_class_is_logged_with_its_seconds(caplog: pytest.LogCaptureFixture) -> None:
-    """A block class's first compile (seconds to minutes on a real model) is announced and timed
-    once; the next blocks and steps reuse the graph and log nothing."""
+def test_each_compiled_graph_is_logged_with_its_seconds_and_the_count(caplog: pytest.LogCaptureFixture) -> None:
+    """A block class's first compile (seconds to minutes on a real model) is announced and timed;
+    the next blocks and steps reuse the graph and log nothing; a new shape's graph (a U-Net
+    compiles one per layer shape) is timed and counted too."""
     blocks = torch.nn.ModuleList([_MLPBlock(), _MLPBlock()])
     compile_accel.apply(blocks, CompileConfig(mode="blocks", backend="eager"), blocks=[blocks])
     x = torch.randn(2, 8, requires_grad=True)
     with caplog.at_level("INFO", logger="compile_accel"):
         for _ in range(2):
             blocks[1](blocks[0](x)).sum().backward()
+        blocks[0](torch.randn(3, 8, requires_grad=True)).sum().backward()
     lines = [r.getMessage() for r in caplog.records if r.name == "compile_accel"]
-    assert lines[0] == "compiling _MLPBlock (training) ..."
-    assert len(lines) == 2 and re.fullmatch(r"compiled _MLPBlock in \d+\.\d s", lines[1])
+    assert len(lines) == 3 and lines[0] == "compiling _MLPBlock (training) ..."
+    assert re.fullmatch(r"compiled _MLPBlock \(training\) in \d+\.\d s \(graphs compiled so far: 1\)", lines[1])
+    new_shape = r"compiled _MLPBlock \(training, new input shapes\) in \d+\.\d s \(graphs compiled so far: 2\)"
+    assert re.fullmatch(new_shape, lines[2])
