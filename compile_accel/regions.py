@@ -144,9 +144,9 @@ class CompiledFunction:
                 "such inputs as plain (or copied) tensors, so the change or its base's gradient would be lost. "
                 "Leave the module eager (CompileConfig.exclude)."
             )
-        new_breaks = graph_break_total() - breaks
+        new_breaks, elapsed = graph_break_total() - breaks, time.perf_counter() - start
         if stats.graphs != graphs or new_breaks:
-            stats.compile_seconds += time.perf_counter() - start
+            stats.compile_seconds += elapsed
             stats.graph_breaks += new_breaks
         if stats.graphs != graphs:
             # Every graph, not only a class's first: a U-Net compiles a graph per layer shape,
@@ -156,7 +156,7 @@ class CompiledFunction:
                 context[0].__name__,
                 "training" if context[1] else "no grad",
                 "" if new_context else ", new input shapes",
-                time.perf_counter() - start,
+                elapsed,
                 stats.graphs,
             )
             self.compiled_contexts.add(context)
