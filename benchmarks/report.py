@@ -78,15 +78,18 @@ def auto_note(report: dict[str, Any]) -> str:
         setting = f"budget {auto['budget']}"
         if auto.get("offload_name"):
             setting += f" at {auto['offload_name']} {auto['offload']:g}"
+        def where(row: dict[str, Any]) -> str:
+            return f"{row['budget']}" + ("" if row["offload"] is None else f"@{row['offload']:g}")
+
+        predicted = ", ".join(f"{where(row)}: {row['peak_bytes'] / 2**30:.2f} GiB" for row in auto.get("predicted", []))
         tried = ", ".join(
-            f"{row['budget']}" + ("" if row["offload"] is None else f"@{row['offload']:g}")
-            + (": OOM" if row["out_of_memory"] else f": {row['seconds']:.3f} s {row['peak_bytes'] / 2**30:.2f} GiB")
+            where(row) + (": OOM" if row["out_of_memory"] else f": {row['seconds']:.3f} s {row['peak_bytes'] / 2**30:.2f} GiB")
             for row in auto["table"]
         )
         notes.append(
             f"{r['mode']} chose {setting} ({'fits' if auto['fits'] else 'nothing fit'} {auto['limit_gib']:g} GiB; "
             f"calibration {auto.get('calibration_seconds', 0):.1f} s{', cached' if auto['cached'] else ''}); "
-            f"measured budget@offload: {tried}."
+            f"predicted peak budget@offload: {predicted or 'none'}; measured: {tried}."
         )
     return "\n\n".join(notes)
 

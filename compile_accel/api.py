@@ -14,6 +14,7 @@ from torch.utils.hooks import RemovableHandle
 from . import checkpointing
 from .adapters import ModelAdapter, ModelOffloadLadder
 from .auto_budget import AutoBudget, OffloadLadder
+from .saved_bytes import SavedBytesEstimate
 from .blocks import BlockList, resolve_block_lists
 from .backend import start_compile_workers
 from .compile_profile import CompileClock, CompileTimes
@@ -281,9 +282,9 @@ def _compile_blocks(
     acceleration = Acceleration(model, config, block_lists, regions, eager_patches, switches, stats)
     if config.activation_memory_budget == "auto":
 
-        def set_budget(budget: float, counts: Stats) -> None:
+        def set_budget(budget: float, counts: Stats, estimate: SavedBytesEstimate | None = None) -> None:
             for fn in shared.values():
-                fn.use_budget(budget, counts)
+                fn.use_budget(budget, counts, estimate)
 
         blocks = [block for block_list in block_lists for block in block_list.blocks]
 

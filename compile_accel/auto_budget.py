@@ -1,22 +1,28 @@
 """activation_memory_budget="auto": the fastest budget whose measured peak memory fits a limit.
 
-On the model's first training forward, each candidate budget is compiled and run on that
-same batch: a forward and a backward of a stand-in loss (the mean square of the outputs),
-once to compile and once timed, with its peak allocated memory read. A candidate that runs
-out of memory does not fit, and the larger ones (which save more) are not tried. The fastest
-candidate that fits the limit is kept; if none fits, the one with the lowest peak, with a
-warning. The table and the choice are logged, returned in `stats()["auto_budget"]`, and
-cached in a JSON file keyed by model (class, parameter counts, config), what is compiled and
-how, input shapes, device, torch version and limit, so the next run of the same training
-skips calibration.
+On the model's first training forward, calibration runs on that same batch, a forward and a
+backward of a stand-in loss (the mean square of the outputs) at a time:
 
-What it costs, once: a compile per candidate (cold, about what one budget's first step takes;
-seconds with a warm inductor cache) and two forward+backward passes per candidate. Gradients,
-RNG state and everything else the calibration touches are put back before the real step.
-On a CPU, "peak" is the bytes autograd saves for backward (there is no allocator peak).
+1. One step with the blocks traced at the lowest candidate budget, without inductor
+   (compile_accel.saved_bytes): its peak, plus what each candidate's partition saves beyond
+   the lowest one's, predicts every candidate's peak. Tracing is a fraction of a compile.
+2. The largest budget predicted to fit is compiled and run, once to compile and once timed, with
+   its peak read. If it peaks over the limit or runs out of memory, the next smaller predicted
+   one, and so on; the lowest candidate is run when nothing is predicted to fit (the predicted
+   peaks come from uncompiled code, which may need more than the compiled).
 
-Budgets are tried from the smallest up; once one runs out of memory or peaks over the limit,
-the larger ones (which keep more) are not tried.
+The largest budget that fits is taken as the fastest: it saves more and recomputes less. In
+the bench's medians so far (benchmarks/results/h100_24gib_auto/, h100_compile_profile/) the step
+time fell as the budget rose, or stayed within 1% (SD3: budget 1.0 0.1900 s, 0.5 0.1888 s), while
+one-step calibration timings can be 10% apart at the same speed. So a calibration compiles one
+budget when the prediction is right, where timing every candidate compiled up to six. The chosen budget's graphs are the ones training then runs.
+If none fits, the lowest peak is taken, with a warning. The table (measured and predicted) and
+the choice are logged, returned in `stats()["auto_budget"]`, and cached in a JSON file keyed by
+model (class, parameter counts, config), what is compiled and how, input shapes, device, torch
+version and limit, so the next run of the same training skips calibration.
+
+Gradients, RNG state and everything else the calibration touches are put back before the real
+step. On a CPU, "peak" is the bytes autograd saves for backward (there is no allocator peak).
 
 Joint search with offloading: when an offload ladder is known (sd-scripts' `--blocks_to_swap`
 through the sd-scripts integration, or a BlockOffloadConductor attached to the blocks: its
@@ -24,7 +30,8 @@ through the sd-scripts integration, or a BlockOffloadConductor attached to the b
 fewest blocks offloaded at which some budget fits is found by bisection (memory only falls as
 more is offloaded), then one more rung is tried as long as it is faster (a rung more may let a
 larger budget fit, which recomputes less). The ladder starts at what the user set up and only
-goes up: auto never keeps more blocks on the GPU than asked.
+goes up: auto never keeps more blocks on the GPU than asked. Each rung is predicted as above
+(one traced step) before a budget is compiled there; a budget's graphs serve every rung.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ import torch.utils._pytree as pytree
 
 from .cache_files import cache_dir, run_inputs, run_key, write_atomically
 from .memory import SavedActivationMeter
+from .saved_bytes import SavedBytesEstimate
 from .stats import Stats, warn
 
 logger = logging.getLogger("compile_accel")
@@ -151,19 +159,32 @@ def _valid_row(row: Any, levels: tuple[float, ...] | None) -> bool:
     )
 
 
+def _valid_prediction(row: Any, levels: tuple[float, ...] | None) -> bool:
+    return (
+        isinstance(row, dict)
+        and set(row) == {"budget", "offload", "peak_bytes"}
+        and _is_candidate(row["budget"])
+        and isinstance(row["peak_bytes"], int)
+        and not isinstance(row["peak_bytes"], bool)
+        and (row["offload"] is None if levels is None else row["offload"] in levels)
+    )
+
+
 def _valid_entry(entry: Any, ladder: OffloadLadder | None) -> bool:
     """Every field of a cache entry has the type and range calibration writes: a hand-edited or
     truncated entry is recalibrated, never half used."""
     levels = None if ladder is None else ladder.levels
     return (
         isinstance(entry, dict)
-        and set(entry) == {"budget", "fits", "limit_gib", "table", "offload"}
+        and set(entry) == {"budget", "fits", "limit_gib", "table", "offload", "predicted"}
         and _is_candidate(entry["budget"])
         and isinstance(entry["fits"], bool)
         and _is_number(entry["limit_gib"])
         and isinstance(entry["table"], list)
         and bool(entry["table"])
         and all(_valid_row(row, levels) for row in entry["table"])
+        and isinstance(entry["predicted"], list)
+        and all(_valid_prediction(row, levels) for row in entry["predicted"])
         and (entry["offload"] is None if levels is None else entry["offload"] in levels)
         and any(
             row["budget"] == entry["budget"] and row["offload"] == entry["offload"] and not row["out_of_memory"]
@@ -182,9 +203,8 @@ def _write_cache(key: str, entry: dict[str, Any]) -> None:
         warn(f"could not write the auto budget cache {path}: {error}")
 
 
-def _measure(run: Callable[[], None], device: torch.device, parameters: list[torch.Tensor]) -> tuple[float, int]:
-    """Seconds and peak bytes of one `run` after a first (compiling) one."""
-    run()
+def _run_once(run: Callable[[], None], device: torch.device, parameters: list[torch.Tensor]) -> tuple[float, int]:
+    """Seconds and peak bytes of one `run`."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -196,6 +216,12 @@ def _measure(run: Callable[[], None], device: torch.device, parameters: list[tor
         start = time.perf_counter()
         run()
     return time.perf_counter() - start, meter.bytes
+
+
+def _measure(run: Callable[[], None], device: torch.device, parameters: list[torch.Tensor]) -> tuple[float, int]:
+    """Seconds and peak bytes of one `run` after a first (compiling) one."""
+    run()
+    return _run_once(run, device, parameters)
 
 
 def _accumulating_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
@@ -214,16 +240,19 @@ def _accumulating_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
 
 
 Measure = Callable[[Callable[[], None], torch.device, list[torch.Tensor]], tuple[float, int]]
+# (run, device, parameters, counts) -> each candidate's predicted peak bytes ({}: no prediction).
+Predict = Callable[[Callable[[], None], torch.device, list[torch.Tensor], list[Stats]], dict[float, int]]
 
 
 class AutoBudget:
     """Forward pre-hook on the model root that calibrates once, on the first training call.
 
-    `set_budget(budget, stats)` switches every compiled region of the Acceleration to a
-    budget, counting into `stats`. `find_ladder(device)` returns the offload ladder to climb
-    when nothing fits (None: there is none); it is asked at calibration, so an offloader set up
-    after apply() counts. `measure` and `candidates` (the budgets timed, ascending) are
-    replaceable for tests.
+    `set_budget(budget, stats, estimate=None)` switches every compiled region of the
+    Acceleration to a budget, counting into `stats` (with `estimate`: traced for it, without
+    inductor). `find_ladder(device)` returns the offload ladder to climb when nothing fits
+    (None: there is none); it is asked at calibration, so an offloader set up after apply()
+    counts. `measure`, `predict` and `candidates` (the budgets, ascending) are replaceable for
+    tests.
 
     A calibration that raises (Ctrl-C, an error in a candidate's step) puts the model back at
     the ladder's first rung and the lowest budget, warns, and runs again on the next training
@@ -247,7 +276,9 @@ class AutoBudget:
         self.limit_gib = limit_gib
         self.find_ladder = find_ladder
         self.measure = measure
+        self.predict: Predict = self._predict
         self.candidates = CANDIDATES
+        self._estimate: SavedBytesEstimate | None = None  # one trace per graph serves every rung
         self.result: dict[str, Any] | None = None
         self._level = math.nan  # the ladder's rung the model is at (nan: not known)
         self._running = False
@@ -292,7 +323,14 @@ class AutoBudget:
         ladder = self.find_ladder(device)
         self._level = math.nan if ladder is None else ladder.levels[0]
         key = run_key(
-            self.model, self.compiled, inputs, device, limit, CANDIDATES, None if ladder is None else (ladder.name, ladder.levels)
+            self.model,
+            self.compiled,
+            inputs,
+            device,
+            limit,
+            CANDIDATES,
+            None if ladder is None else (ladder.name, ladder.levels),
+            "predicted",  # the search (entries of the exhaustive one that timed every budget lack "predicted")
         )
         cached = _read_cache().get(key)
         if cached is not None and not _valid_entry(cached, ladder):
@@ -317,11 +355,12 @@ class AutoBudget:
         start = time.perf_counter()
         levels: tuple[float | None, ...] = (None,) if ladder is None else ladder.levels
         tables: dict[int, list[Measurement]] = {}
+        predictions: list[dict[str, Any]] = []
         counts: list[Stats] = []  # one per candidate run; every graph compiled is counted
 
         def fastest(rung: int) -> Measurement | None:
             if rung not in tables:
-                tables[rung] = self._measure_rung(run, device, limit, ladder, levels[rung], counts)
+                tables[rung] = self._measure_rung(run, device, limit, ladder, levels[rung], counts, predictions)
             fitting = [m for m in tables[rung] if not m.out_of_memory and m.peak_bytes <= limit]
             return min(fitting, key=lambda m: m.seconds, default=None)
 
@@ -342,6 +381,7 @@ class AutoBudget:
             "limit_gib": round(limit / GIB, 3),
             "table": [asdict(m) for m in measurements],
             "offload": best.offload,
+            "predicted": predictions,
         }
         _write_cache(key, entry)
         result = self._settle(entry, ladder, limit, cached=False)
@@ -356,25 +396,57 @@ class AutoBudget:
         ladder: OffloadLadder | None,
         level: float | None,
         counts: list[Stats],
+        predictions: list[dict[str, Any]],
     ) -> list[Measurement]:
-        """The candidates at one rung of the ladder, smallest budget first, up to the first that
-        runs out of memory or peaks over the limit (larger budgets keep more)."""
+        """At one rung of the ladder: every candidate's peak predicted (appended to
+        `predictions`), then the largest predicted to fit and smaller ones compiled and timed
+        until one fits; the lowest candidate when none is predicted to (module docstring)."""
+        self._go(ladder, level)
+        parameters = [*self.model.parameters()]
+        predicted = self.predict(run, device, parameters, counts)
+        predictions.extend({"budget": b, "offload": level, "peak_bytes": peak} for b, peak in predicted.items())
+        order = [b for b in reversed(self.candidates) if b in predicted and predicted[b] <= limit]
+        if self.candidates[0] not in order:
+            order.append(self.candidates[0])
         table = []
-        try:
-            self._go(ladder, level)
-            for budget in self.candidates:
-                counts.append(Stats(regions=self.stats.regions))
+        for budget in order:
+            counts.append(Stats(regions=self.stats.regions))
+            try:
+                self._go(ladder, level)
                 self.set_budget(budget, counts[-1])
-                seconds, peak = self.measure(run, device, [*self.model.parameters()])
-                table.append(Measurement(budget, seconds, peak, offload=level))
-                if peak > limit:
-                    break
-        except torch.OutOfMemoryError:
-            table.append(Measurement(self.candidates[len(table)], 0.0, 0, out_of_memory=True, offload=level))
-            self._level = math.nan  # a step cut short may leave an offloader's blocks half moved: set it again
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+                seconds, peak = self.measure(run, device, parameters)
+            except torch.OutOfMemoryError:
+                table.append(Measurement(budget, 0.0, 0, out_of_memory=True, offload=level))
+                self._out_of_memory(device)
+                continue
+            table.append(Measurement(budget, seconds, peak, offload=level))
+            if peak <= limit:
+                break
         return table
+
+    def _predict(
+        self, run: Callable[[], None], device: torch.device, parameters: list[torch.Tensor], counts: list[Stats]
+    ) -> dict[float, int]:
+        """Each candidate's peak: one step traced at the lowest (compile_accel.saved_bytes)."""
+        if self._estimate is None:
+            self._estimate = SavedBytesEstimate(self.candidates, self.candidates[0])
+        estimate = self._estimate
+        counts.append(Stats(regions=self.stats.regions))
+        self.set_budget(self.candidates[0], counts[-1], estimate=estimate)
+        estimate.new_step()
+        try:
+            _, peak = _run_once(run, device, parameters)
+        except torch.OutOfMemoryError:
+            self._out_of_memory(device)
+            return {}
+        return {budget: peak + estimate.added_bytes(budget) for budget in self.candidates}
+
+    def _out_of_memory(self, device: torch.device) -> None:
+        """After a step that ran out of memory: its blocks may be half moved (the next _go sets
+        the rung again) and the allocator holds what the step left."""
+        self._level = math.nan
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _go(self, ladder: OffloadLadder | None, level: float | None) -> None:
         """Put the model at `level` of the ladder, if it is not there (moving blocks takes time)."""
@@ -393,16 +465,7 @@ class AutoBudget:
         if cached:
             logger.info("auto: %s (cached in %s)", chosen, cache_path())
         else:
-            rows = []
-            for m in (Measurement(**row) for row in entry["table"]):
-                where = _setting(m.budget, m.offload, ladder)
-                if m.out_of_memory:
-                    rows.append(f"  {where}: out of memory")
-                    continue
-                mark = "  <- chosen" if where == chosen else ""
-                over = "" if m.peak_bytes <= limit else "  (over the limit)"
-                rows.append(f"  {where}: {m.seconds * 1e3:8.1f} ms, peak {m.peak_bytes / GIB:6.2f} GiB{mark}{over}")
-            logger.info("auto over %.2f GiB:\n%s", limit / GIB, "\n".join(rows))
+            logger.info("auto over %.2f GiB:\n%s", limit / GIB, "\n".join(_table_lines(entry, ladder, limit, chosen)))
         if not entry["fits"]:
             peak = next(row["peak_bytes"] for row in entry["table"] if _setting(row["budget"], row["offload"], ladder) == chosen)
             offload = "" if ladder is None else f" even at {ladder.name} {_level(ladder.levels[-1])}"
@@ -441,6 +504,26 @@ def _climb(fastest: Callable[[int], Measurement | None], rungs: int) -> None:
         if above is None or above.seconds >= here.seconds:
             return
         high += 1
+
+
+def _table_lines(entry: dict[str, Any], ladder: OffloadLadder | None, limit: int, chosen: str) -> list[str]:
+    """The log's calibration table: per setting its predicted peak, and its time and peak where
+    it was run (settings whose prediction ran out of memory: measured only)."""
+    measured = {}
+    for m in (Measurement(**row) for row in entry["table"]):
+        where = _setting(m.budget, m.offload, ladder)
+        if m.out_of_memory:
+            measured[where] = "out of memory"
+        else:
+            mark = "  <- chosen" if where == chosen else ""
+            over = "  (over the limit)" if m.peak_bytes > limit else ""
+            measured[where] = f"{m.seconds * 1e3:8.1f} ms, peak {m.peak_bytes / GIB:6.2f} GiB{mark}{over}"
+    lines = []
+    for row in entry["predicted"]:
+        where = _setting(row["budget"], row["offload"], ladder)
+        run = measured.pop(where, "not run")
+        lines.append(f"  {where}: predicted {row['peak_bytes'] / GIB:6.2f} GiB; {run}")
+    return lines + [f"  {where}: {run}" for where, run in measured.items()]
 
 
 def _level(level: float) -> str:

@@ -35,6 +35,7 @@ import torch.utils._pytree as pytree
 from .attention import rewrite_attention
 from .config import CompileConfig
 from .dynamo_settings import HAS_EAGER_BACKWARD_KNOB
+from .saved_bytes import SavedBytesEstimate
 from .stats import Stats
 
 
@@ -147,8 +148,11 @@ class RegionBackend:
     in, and once that succeeded counts the graph and whether it is a recompile.
     """
 
-    def __init__(self, config: CompileConfig, budget: float | None, stats: Stats) -> None:
-        self.inner = _inner_backend(config)
+    def __init__(
+        self, config: CompileConfig, budget: float | None, stats: Stats, estimate: SavedBytesEstimate | None = None
+    ) -> None:
+        # With an estimate: traced for auto's calibration, without inductor (compile_accel.saved_bytes).
+        self.inner = _inner_backend(config) if estimate is None else estimate.backend()
         self.budget = budget
         self.stats = stats
         self.saw_checkpoint = False

@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from .backend import RegionBackend
 from .checkpointing import under_saved_tensor_checkpoint
+from .saved_bytes import SavedBytesEstimate
 from .config import CompileConfig
 from .dynamo_settings import COMPILE_TAKES_RECOMPILE_LIMIT, ensure_thread_settings
 from .selective import RegionSpec
@@ -58,19 +59,21 @@ class CompiledFunction:
         # pair is checked for compiling none; dynamo guards both, so that call must compile one.
         self.compiled_contexts: set[tuple[type, bool]] = set()
         self._warned_checkpoint = False
-        self._by_budget: dict[float | None, tuple[RegionBackend, Callable]] = {}
+        self._by_budget: dict[tuple[float | None, SavedBytesEstimate | None], tuple[RegionBackend, Callable]] = {}
         budget = config.activation_memory_budget
         self.use_budget(None if budget == "auto" else budget, stats)
         code = getattr(fn, "__code__", None)
         if code is not None:
             RECOMPILE_LIMIT_WATCHER.listen(self, code, self._on_recompile_limit)
 
-    def use_budget(self, budget: float | None, stats: Stats) -> None:
-        """Compile with `budget` from now on, counting into `stats`. Each budget keeps its own
-        backend and torch.compile wrapper: the backend is part of dynamo's guards, so going
-        back to a budget reuses the graphs compiled for it."""
-        if budget not in self._by_budget:
-            backend = RegionBackend(self.config, budget, stats)
+    def use_budget(self, budget: float | None, stats: Stats, estimate: SavedBytesEstimate | None = None) -> None:
+        """Compile with `budget` from now on, counting into `stats` (with `estimate`: traced for it,
+        without inductor). Each budget keeps its own backend and torch.compile wrapper: the
+        backend is part of dynamo's guards, so going back to a budget reuses the graphs compiled
+        for it."""
+        key = (budget, estimate)
+        if key not in self._by_budget:
+            backend = RegionBackend(self.config, budget, stats, estimate)
             kwargs: dict[str, Any] = {
                 "backend": backend,
                 "fullgraph": self.config.fullgraph,
@@ -78,8 +81,8 @@ class CompiledFunction:
             }
             if COMPILE_TAKES_RECOMPILE_LIMIT:
                 kwargs["recompile_limit"] = self.recompile_limit
-            self._by_budget[budget] = (backend, torch.compile(self.fn, **kwargs))
-        self.backend, self.compiled = self._by_budget[budget]
+            self._by_budget[key] = (backend, torch.compile(self.fn, **kwargs))
+        self.backend, self.compiled = self._by_budget[key]
         self.backend.stats = self.stats = stats
 
     @property

@@ -1,5 +1,6 @@
-"""activation_memory_budget="auto": selection logic, calibration on the first training step
-(with a scripted measurement), the cache, and a training step left as it would have been."""
+"""activation_memory_budget="auto": selection logic, the predicted peaks against measured ones,
+calibration on the first training step (with a scripted measurement), the search against an
+exhaustive one, the cache, and a training step left as it would have been."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ import compile_accel
 from compile_accel import CompileConfig
 from compile_accel import BlockOffloadConductor
 from compile_accel.auto_budget import CANDIDATES, GIB, AutoBudget, Measurement, OffloadLadder, cache_path, choose
+from compile_accel.memory import SavedActivationMeter
 from compile_accel.stats import Stats
 
 # The min-cut partitioner with the budget, without inductor's code generation: calibration
-# compiles every candidate, and this keeps that quick on a CPU.
+# compiles candidates, and this keeps that quick on a CPU.
 BACKEND = "aot_eager_decomp_partition"
 
 
@@ -27,12 +29,18 @@ def test_choose_fastest_within_the_limit() -> None:
     assert choose(table, 4) == (table[0], False)  # nothing fits: the lowest peak
 
 
-def _scripted(candidates: tuple[float, ...], calls: list[float], out_of_memory_from: float = 2.0):
+def _budget(acceleration: compile_accel.Acceleration) -> float:
+    """The budget every compiled function of `acceleration` runs at now."""
+    (budget,) = {shared.backend.budget for shared in {r.shared for r in acceleration.regions}}
+    return budget
+
+
+def _scripted(acceleration: compile_accel.Acceleration, calls: list[float], out_of_memory_from: float = 2.0):
     """A measurement that runs the step (so the budget really compiles) and reports the numbers
     of PEAKS and SECONDS; from budget `out_of_memory_from` on, the backward runs out of memory."""
 
     def measure(run, device, parameters):
-        budget = candidates[len(calls)]
+        budget = _budget(acceleration)
         calls.append(budget)
         if budget >= out_of_memory_from:
             with pytest.MonkeyPatch.context() as patch:
@@ -42,6 +50,18 @@ def _scripted(candidates: tuple[float, ...], calls: list[float], out_of_memory_f
         return SECONDS[budget], int(PEAKS[budget] * GIB)
 
     return measure
+
+
+def _scripted_prediction(acceleration: compile_accel.Acceleration, error_gib: float = 0.0):
+    """The real prediction (its traced step runs), answering PEAKS plus `error_gib` instead."""
+    real = acceleration.auto_budget.predict
+
+    def predict(run, device, parameters, counts):
+        predicted = real(run, device, parameters, counts)
+        assert set(predicted) == set(acceleration.auto_budget.candidates)
+        return {budget: int((PEAKS[budget] + error_gib) * GIB) for budget in predicted}
+
+    return predict
 
 
 def _out_of_memory(real_backward):
@@ -76,13 +96,13 @@ def _auto(
     out_of_memory_from: float = 2.0,
     **config,
 ) -> compile_accel.Acceleration:
-    """apply() with activation_memory_budget="auto", measured by the scripted PEAKS/SECONDS table;
-    fewer candidates calibrate faster (each one compiles every block class)."""
+    """apply() with activation_memory_budget="auto", measured by the scripted PEAKS/SECONDS table
+    (and predicted by the real traced step); fewer candidates calibrate faster."""
     config = CompileConfig(
         mode="blocks", activation_memory_budget="auto", vram_limit_gib=limit_gib, backend=BACKEND, **config
     )
     acceleration = compile_accel.apply(model, config)
-    acceleration.auto_budget.measure = _scripted(candidates, calls, out_of_memory_from)
+    acceleration.auto_budget.measure = _scripted(acceleration, calls, out_of_memory_from)
     acceleration.auto_budget.candidates = candidates
     return acceleration
 
@@ -93,14 +113,19 @@ def test_calibration_picks_the_fastest_fitting_budget_and_leaves_training_unchan
     expected_loss, expected_grads = lora_step(model, params, inputs)
 
     calls: list[float] = []
-    acceleration = _auto(model, 2.6, calls, candidates=(0.0, 0.5, 0.7, 1.0))  # fewer compiles, same search
+    acceleration = _auto(model, 2.6, calls, candidates=(0.0, 0.5, 0.7, 1.0))
+    # Predicted 0.6 GiB too low: 0.7 is predicted to fit (2.4 GiB) and 1.0 not (3.4 GiB).
+    acceleration.auto_budget.predict = _scripted_prediction(acceleration, error_gib=-0.6)
     assert acceleration.stats()["auto_budget"] is None
     rng = torch.get_rng_state()
     loss, grads = lora_step(model, params, inputs)
 
-    assert calls == [0.0, 0.5, 0.7]  # 0.7 peaks over the limit: 1.0, which keeps more, is not tried
+    assert calls == [0.7, 0.5]  # 0.7 measured over the limit, then the next smaller one fits
     result = acceleration.stats()["auto_budget"]
     assert result["budget"] == 0.5 and result["fits"] and not result["cached"]  # fastest under 2.6 GiB
+    assert [(row["budget"], row["peak_bytes"]) for row in result["predicted"]] == [
+        (b, int((PEAKS[b] - 0.6) * GIB)) for b in (0.0, 0.5, 0.7, 1.0)
+    ]
     assert {shared.backend.budget for shared in {r.shared for r in acceleration.regions}} == {0.5}
     assert torch.equal(torch.get_rng_state(), rng)
     # The step that triggered calibration is the step the model would have taken.
@@ -116,6 +141,35 @@ def test_calibration_picks_the_fastest_fitting_budget_and_leaves_training_unchan
     lora_step(again, params, inputs)
     assert calls == []
     assert acceleration.stats()["auto_budget"]["cached"] and acceleration.stats()["auto_budget"]["budget"] == 0.5
+
+
+def test_predicted_peaks_are_what_each_budget_saves() -> None:
+    """The traced step's prediction for every candidate against the bytes autograd saves in a
+    step compiled at that budget (the CPU's peak), on the same batch: within 1% of the largest."""
+    model, _ = _model()
+    inputs = inputs_for(model)
+    acceleration = _auto(model, 1.0, [])
+    predicted = {}
+
+    def predict(run, device, parameters, counts):
+        predicted.update(acceleration.auto_budget._predict(run, device, parameters, counts))
+        raise KeyboardInterrupt  # stop after the prediction
+
+    acceleration.auto_budget.predict = predict
+    with pytest.warns(RuntimeWarning, match="calibration stopped"), pytest.raises(KeyboardInterrupt):
+        lora_step(model, [], inputs)
+    acceleration.remove()
+    measured = {}
+    for budget in CANDIDATES:
+        torch._dynamo.reset()
+        compiled = compile_accel.apply(model, CompileConfig(mode="blocks", activation_memory_budget=budget, backend=BACKEND))
+        with SavedActivationMeter(model.parameters()) as meter:
+            model(*inputs).square().mean()
+        measured[budget] = meter.bytes
+        compiled.remove()
+    assert measured[1.0] > 2 * measured[0.0]  # the budgets differ enough for this to test something
+    for budget in CANDIDATES:
+        assert abs(predicted[budget] - measured[budget]) <= 0.01 * measured[1.0], (budget, predicted, measured)
 
 
 def test_nothing_fits_warns_and_takes_the_lowest_peak() -> None:
@@ -154,7 +208,8 @@ def test_chosen_budget_reuses_its_calibration_graphs() -> None:
     inputs = inputs_for(model)
     lora_step(model, params, inputs)
     after_calibration = acceleration.stats()
-    # 1.0 was measured last and peaks over the limit: every class's compiled function is back at 0.5.
+    # 1.0 (predicted from the tiny model's real bytes to fit) was measured first and peaks over
+    # the limit: every class's compiled function is at 0.5.
     assert after_calibration["auto_budget"]["budget"] == 0.5
     assert {shared.backend.budget for shared in {r.shared for r in acceleration.regions}} == {0.5}
     lora_step(model, params, inputs)
@@ -165,17 +220,17 @@ def test_chosen_budget_reuses_its_calibration_graphs() -> None:
     assert acceleration.stats()["recompiles"] == 0
 
 
-def test_out_of_memory_ends_the_search_and_leaves_gradients_alone() -> None:
+def test_out_of_memory_moves_the_search_down_and_leaves_gradients_alone() -> None:
     model, params = _model()
     inputs = inputs_for(model)
     expected_loss, expected_grads = lora_step(model, params, inputs)
     calls: list[float] = []
     acceleration = _auto(model, 10.0, calls, candidates=(0.0, 0.5, 1.0), out_of_memory_from=0.5)
     loss, grads = lora_step(model, params, inputs)
-    assert calls == [0.0, 0.5]  # 1.0 saves more than 0.5, which already ran out of memory
+    assert calls == [1.0, 0.5, 0.0]  # all predicted to fit; the two largest ran out of memory
     result = acceleration.stats()["auto_budget"]
     assert result["budget"] == 0.0 and result["fits"]
-    assert [m["out_of_memory"] for m in result["table"]] == [False, True]
+    assert [m["out_of_memory"] for m in result["table"]] == [True, True, False]
     assert relative_error(loss, expected_loss) < 1e-4
     assert all(relative_error(g, e) < 1e-4 for g, e in zip(grads, expected_grads, strict=True))
 
@@ -226,17 +281,21 @@ def _fake_seconds(budget: float, level: float) -> float:
 
 class FakeTraining:
     """A plain Linear model whose auto calibration reads its "peak" and "time" from a table
-    over (budget, blocks swapped): the budget and the ladder are only recorded."""
+    over (budget, blocks swapped), and its prediction from that table's peaks plus
+    `error_gib`: the budget and the ladder are only recorded."""
 
-    def __init__(self, limit_gib: float, levels: tuple[float, ...] = SWAPS) -> None:
+    def __init__(self, limit_gib: float, levels: tuple[float, ...] = SWAPS, error_gib: float = 0.0) -> None:
         self.model = torch.nn.Linear(4, 4)
         self.budget: float | None = None
         self.level = levels[0]
+        self.error_gib = error_gib
         self.set_levels: list[float] = []
         self.measured: list[tuple[float, float]] = []
+        self.predicted_levels: list[float] = []
         ladder = OffloadLadder("blocks_to_swap", levels, self._set_level)
         self.auto = AutoBudget(self.model, self._set_budget, Stats(), limit_gib, find_ladder=lambda device: ladder)
         self.auto.measure = self._measure
+        self.auto.predict = self._predict
 
     def _set_budget(self, budget: float, stats: Stats) -> None:
         self.budget = budget
@@ -245,11 +304,18 @@ class FakeTraining:
         self.set_levels.append(level)
         self.level = level
 
+    def _peak_gib(self, budget: float) -> float:
+        return _fake_weights_gib(self.level) + PEAKS[budget]
+
     def _measure(self, run, device, parameters) -> tuple[float, int]:
         run()
         self.measured.append((self.level, self.budget))
-        peak = _fake_weights_gib(self.level) + PEAKS[self.budget]
-        return _fake_seconds(self.budget, self.level), int(peak * GIB)
+        return _fake_seconds(self.budget, self.level), int(self._peak_gib(self.budget) * GIB)
+
+    def _predict(self, run, device, parameters, counts) -> dict[float, int]:
+        run()
+        self.predicted_levels.append(self.level)
+        return {budget: int((self._peak_gib(budget) + self.error_gib) * GIB) for budget in self.auto.candidates}
 
     def step(self) -> None:
         self.model(torch.randn(2, 4)).sum().backward()
@@ -265,15 +331,18 @@ def test_joint_search_swaps_the_fewest_blocks_that_pay_and_is_cached() -> None:
     """Nothing fits with every block resident: bisection finds the fewest blocks swapped at
     which a budget fits (6, budget 0.0), climbing finds that 8 and 10 let larger budgets fit and
     run faster (10: budget 0.7) and that 12 does not pay. The choice is the fastest of the whole
-    table, found without measuring every rung; the same training again reads it from the cache."""
+    table, found by timing one budget per rung visited; the same training again reads it from
+    the cache."""
     training = FakeTraining(limit_gib=8.0)
     training.step()
     result = training.auto.result
     assert (result["offload"], result["budget"]) == _exhaustive_best(8.0) == (10, 0.7)
     assert result["fits"] and result["offload_name"] == "blocks_to_swap"
     assert (training.level, training.budget) == (10, 0.7)
-    assert sorted({level for level, _ in training.measured}) == [0, 4, 6, 8, 10, 12]  # never 2
-    assert all(row["offload"] in SWAPS for row in result["table"])
+    assert sorted(training.predicted_levels) == [0, 4, 6, 8, 10, 12]  # never 2
+    # One budget timed per rung: the largest predicted to fit, or the lowest where none is.
+    assert training.measured == [(0, 0.0), (12, 1.0), (6, 0.0), (4, 0.0), (8, 0.3), (10, 0.7)]
+    assert all(row["offload"] in SWAPS for row in result["table"] + result["predicted"])
 
     again = FakeTraining(limit_gib=8.0)
     again.step()
@@ -281,11 +350,23 @@ def test_joint_search_swaps_the_fewest_blocks_that_pay_and_is_cached() -> None:
     assert again.set_levels == [10] and again.budget == 0.7
 
 
+@pytest.mark.parametrize("limit_gib", [6.5, 7.0, 8.0, 9.5, 13.0, 20.0])
+@pytest.mark.parametrize("error_gib", [0.0, -0.7])
+def test_predicted_search_chooses_what_timing_every_setting_would(limit_gib: float, error_gib: float) -> None:
+    """The search through predicted peaks chooses the exhaustive search's setting (every budget
+    at every rung timed), also when the prediction is too low (a measurement corrects it)."""
+    training = FakeTraining(limit_gib=limit_gib, error_gib=error_gib)
+    training.step()
+    result = training.auto.result
+    assert (result["offload"], result["budget"]) == _exhaustive_best(limit_gib)
+    assert len(training.measured) < len(SWAPS) * len(CANDIDATES) / 3
+
+
 def test_joint_search_stays_resident_when_a_budget_fits() -> None:
     training = FakeTraining(limit_gib=13.0)
     training.step()
-    assert training.set_levels == [] and {level for level, _ in training.measured} == {0}
-    assert (training.auto.result["offload"], training.budget) == (0, 0.7)  # 10 + 3 GiB <= 13
+    assert training.set_levels == [] and training.measured == [(0, 0.7)]  # 10 + 3 GiB <= 13
+    assert (training.auto.result["offload"], training.budget) == (0, 0.7)
 
 
 def test_nothing_fits_even_at_the_top_rung_warns_and_takes_the_lowest_peak() -> None:
@@ -293,7 +374,7 @@ def test_nothing_fits_even_at_the_top_rung_warns_and_takes_the_lowest_peak() -> 
     with pytest.warns(RuntimeWarning, match="no activation memory budget fits 3.00 GiB on this batch even at blocks_to_swap 12"):
         training.step()
     assert (training.level, training.budget) == (12, 0.0)
-    assert {level for level, _ in training.measured} == {0, 12}
+    assert training.measured == [(0, 0.0), (12, 0.0)]  # nothing predicted to fit: the lowest is run
 
 
 def test_interrupted_calibration_warns_counts_and_runs_again() -> None:
@@ -327,8 +408,19 @@ def test_interrupted_calibration_warns_counts_and_runs_again() -> None:
         {"fits": 1},
         {"offload": 3},
         {"limit_gib": float("nan")},
+        {"predicted": [{"budget": 0.5, "offload": 0, "peak_bytes": "1"}]},
     ],
-    ids=["budget-str", "table-str", "table-ints", "row-without-budget", "budget-bool", "fits-int", "offload-off-ladder", "limit-nan"],
+    ids=[
+        "budget-str",
+        "table-str",
+        "table-ints",
+        "row-without-budget",
+        "budget-bool",
+        "fits-int",
+        "offload-off-ladder",
+        "limit-nan",
+        "predicted-str",
+    ],
 )
 def test_a_malformed_cache_entry_warns_and_calibrates_again(damage: dict) -> None:
     FakeTraining(limit_gib=8.0).step()
