@@ -51,7 +51,7 @@ import torch.utils._pytree as pytree
 
 from .cache_files import cache_dir, run_inputs, run_key, write_atomically
 from .memory import SavedActivationMeter
-from .saved_bytes import SavedBytesEstimate
+from .saved_bytes import SavedBytesEstimate, traced_step_attention
 from .stats import Stats, warn
 
 logger = logging.getLogger("compile_accel")
@@ -435,7 +435,8 @@ class AutoBudget:
         self.set_budget(self.candidates[0], counts[-1], estimate=estimate)
         estimate.new_step()
         try:
-            _, peak = _run_once(run, device, parameters)
+            with traced_step_attention():
+                _, peak = _run_once(run, device, parameters)
         except torch.OutOfMemoryError:
             self._out_of_memory(device)
             return {}

@@ -17,6 +17,7 @@ instead of compiling each candidate with inductor to find out.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 from collections.abc import Sequence
@@ -28,6 +29,7 @@ import torch._functorch.config
 import torch.fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
+from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 PartitionFn = Callable[..., tuple[torch.fx.GraphModule, torch.fx.GraphModule]]
 
@@ -40,9 +42,17 @@ def _inductor_partition() -> PartitionFn:
     partition = getattr(compile_fx, "partition_fn", None)
     if partition is not None:
         return partition
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-
     return functools.partial(min_cut_rematerialization_partition, compiler="inductor")
+
+
+def traced_step_attention() -> contextlib.AbstractContextManager:
+    """SDPA kernels for the traced step: any but cuDNN's. Its backward, run uncompiled from an
+    AOTAutograd graph, hit an illegal memory access on sd-scripts' Flux (H100, torch 2.11,
+    under CUDA_LAUNCH_BLOCKING: `mha_graph.execute` failed); flash attention saves tensors of
+    the same sizes (output and log-sum-exp)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def _saved_bytes(saved: Sequence[Any], kept: Sequence[Any]) -> int:
@@ -106,16 +116,18 @@ class SavedBytesEstimate:
     def _partition_all(
         self, joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any
     ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
-        forwards = {}
-        for budget in self.candidates:
-            if budget == self.budget:
-                continue
-            # The partitioner and inductor's joint passes change the graph they are given.
-            with torch._functorch.config.patch(activation_memory_budget=budget):
-                forwards[budget], _ = self._partition(copy.deepcopy(joint), joint_inputs, **kwargs)
+        # The traced budget first: inductor's joint-graph passes run once, on `joint` itself;
+        # the other budgets partition copies of the graph they left (the partitioner changes
+        # the graph it is given).
         with torch._functorch.config.patch(activation_memory_budget=self.budget):
             forward, backward = self._partition(joint, joint_inputs, **kwargs)
-        forwards[self.budget] = forward
+        forwards = {self.budget: forward}
+        for budget in self.candidates:
+            if budget != self.budget:
+                with torch._functorch.config.patch(activation_memory_budget=budget):
+                    forwards[budget], _ = min_cut_rematerialization_partition(
+                        copy.deepcopy(joint), joint_inputs, compiler="inductor", **kwargs
+                    )
         self._pending = GraphRecord(forwards, num_fwd_outputs=kwargs["num_fwd_outputs"])
         return forward, backward
 
