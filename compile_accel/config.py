@@ -24,8 +24,9 @@ class CompileConfig:
         this fraction of the block's activations for backward and recomputes the rest
         (0.0 ~ full checkpointing, 1.0 ~ no recompute). A budget replaces the model's own
         checkpointing of the compiled blocks. None keeps PyTorch's default and the model's
-        checkpointing as it is. "auto" times a few budgets on the first training batch and
-        keeps the fastest whose peak memory fits `vram_limit_gib` (see compile_accel.auto_budget).
+        checkpointing as it is. "auto" predicts each budget's peak memory on the first training
+        batch and keeps the largest whose measured peak fits `vram_limit_gib` (see
+        compile_accel.auto_budget).
     vram_limit_gib: the memory "auto" must fit, in GiB of peak allocated memory; None: what
         the GPU has free (plus what this process already holds) minus a margin.
     dynamic: None lets dynamo decide (one static graph, a dynamic one on the first new shape);
