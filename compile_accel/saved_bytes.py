@@ -72,7 +72,8 @@ def _saved_bytes(saved: Sequence[Any], kept: Sequence[Any]) -> int:
 
 @dataclass
 class GraphRecord:
-    """One traced training graph: its forward at each candidate budget, and what they save."""
+    """One traced training graph: its forward at each other candidate budget, and what each
+    budget saves (the traced budget's own forward is the graph's)."""
 
     forwards: dict[float, torch.fx.GraphModule]
     num_fwd_outputs: int
@@ -121,7 +122,7 @@ class SavedBytesEstimate:
         # the graph it is given).
         with torch._functorch.config.patch(activation_memory_budget=self.budget):
             forward, backward = self._partition(joint, joint_inputs, **kwargs)
-        forwards = {self.budget: forward}
+        forwards = {}
         for budget in self.candidates:
             if budget != self.budget:
                 with torch._functorch.config.patch(activation_memory_budget=budget):
@@ -138,16 +139,20 @@ class SavedBytesEstimate:
             return make_boxed_func(run)
         self.graphs.append(record)
 
+        def saved(outputs: Sequence[Any], args: Sequence[Any]) -> int:
+            split = record.num_fwd_outputs
+            return _saved_bytes(outputs[split:], [*args, *outputs[:split]])
+
         def forward(*args: Any) -> Any:
-            if not record.saved_bytes:
-                for budget, candidate in record.forwards.items():
-                    outputs = candidate(*args)
-                    split = record.num_fwd_outputs
-                    record.saved_bytes[budget] = _saved_bytes(outputs[split:], [*args, *outputs[:split]])
-                    del outputs
-                record.forwards = {}  # measured: the graphs are not needed again
             record.calls += 1
-            return run(*args)
+            if record.saved_bytes:
+                return run(*args)
+            for budget, candidate in record.forwards.items():
+                record.saved_bytes[budget] = saved(candidate(*args), args)
+            record.forwards = {}  # measured: the graphs are not needed again
+            outputs = run(*args)  # the traced budget's own forward: measured from this call
+            record.saved_bytes[self.budget] = saved(outputs, args)
+            return outputs
 
         return make_boxed_func(forward)
 
