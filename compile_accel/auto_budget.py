@@ -4,8 +4,10 @@ On the model's first training forward, calibration runs on that same batch, a fo
 backward of a stand-in loss (the mean square of the outputs) at a time:
 
 1. One step with the blocks traced at the lowest candidate budget, without inductor
-   (compile_accel.saved_bytes): its peak, plus what each candidate's partition saves beyond
-   the lowest one's, predicts every candidate's peak. Tracing is a fraction of a compile.
+   (compile_accel.saved_bytes): its peak, plus what a candidate's partition saves beyond the
+   lowest one's, predicts that candidate's peak. Tracing is a fraction of a compile. The
+   candidates are predicted in ascending order up to the first predicted not to fit (a larger
+   budget saves more), so a tight limit partitions few.
 2. The largest budget predicted to fit is compiled and run, once to compile and once timed, with
    its peak read. If it peaks over the limit or runs out of memory, the next smaller predicted
    one, and so on; the lowest candidate is run when nothing is predicted to fit (the predicted
@@ -240,8 +242,9 @@ def _accumulating_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
 
 
 Measure = Callable[[Callable[[], None], torch.device, list[torch.Tensor]], tuple[float, int]]
-# (run, device, parameters, counts) -> each candidate's predicted peak bytes ({}: no prediction).
-Predict = Callable[[Callable[[], None], torch.device, list[torch.Tensor], list[Stats]], dict[float, int]]
+# (run, device, parameters, counts, limit) -> predicted peak bytes of candidates, at least those
+# up to the first predicted over `limit` ({}: no prediction).
+Predict = Callable[[Callable[[], None], torch.device, list[torch.Tensor], list[Stats], int], dict[float, int]]
 
 
 class AutoBudget:
@@ -398,12 +401,12 @@ class AutoBudget:
         counts: list[Stats],
         predictions: list[dict[str, Any]],
     ) -> list[Measurement]:
-        """At one rung of the ladder: every candidate's peak predicted (appended to
+        """At one rung of the ladder: the candidates' peaks predicted (appended to
         `predictions`), then the largest predicted to fit and smaller ones compiled and timed
         until one fits; the lowest candidate when none is predicted to (module docstring)."""
         self._go(ladder, level)
         parameters = [*self.model.parameters()]
-        predicted = self.predict(run, device, parameters, counts)
+        predicted = self.predict(run, device, parameters, counts, limit)
         predictions.extend({"budget": b, "offload": level, "peak_bytes": peak} for b, peak in predicted.items())
         order = [b for b in reversed(self.candidates) if b in predicted and predicted[b] <= limit]
         if self.candidates[0] not in order:
@@ -425,22 +428,34 @@ class AutoBudget:
         return table
 
     def _predict(
-        self, run: Callable[[], None], device: torch.device, parameters: list[torch.Tensor], counts: list[Stats]
+        self,
+        run: Callable[[], None],
+        device: torch.device,
+        parameters: list[torch.Tensor],
+        counts: list[Stats],
+        limit: int,
     ) -> dict[float, int]:
-        """Each candidate's peak: one step traced at the lowest (compile_accel.saved_bytes)."""
+        """Candidates' peaks from one step traced at the lowest (compile_accel.saved_bytes), in
+        ascending order up to the first predicted over `limit`."""
         if self._estimate is None:
             self._estimate = SavedBytesEstimate(self.candidates, self.candidates[0])
         estimate = self._estimate
         counts.append(Stats(regions=self.stats.regions))
         self.set_budget(self.candidates[0], counts[-1], estimate=estimate)
         estimate.new_step()
+        predicted: dict[float, int] = {}
         try:
             with traced_step_attention():
                 _, peak = _run_once(run, device, parameters)
-        except torch.OutOfMemoryError:
+            for budget in self.candidates:
+                predicted[budget] = peak + estimate.added_bytes(budget)
+                if predicted[budget] > limit:
+                    break
+        except torch.OutOfMemoryError:  # in the step: no prediction; in a partition's forward: those so far
             self._out_of_memory(device)
-            return {}
-        return {budget: peak + estimate.added_bytes(budget) for budget in self.candidates}
+        finally:
+            estimate.release_inputs()
+        return predicted
 
     def _out_of_memory(self, device: torch.device) -> None:
         """After a step that ran out of memory: its blocks may be half moved (the next _go sets

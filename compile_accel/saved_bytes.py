@@ -3,13 +3,17 @@
 The min-cut partitioner decides, per budget, which forward values a graph saves for its
 backward; everything else of a compile (dynamo's trace, AOTAutograd's joint graph) is the same
 for every budget. `SavedBytesEstimate.backend()` is an AOTAutograd backend without inductor:
-it traces each graph once, partitions the joint graph at every candidate budget (on copies;
-the graph itself runs partitioned at the budget it was compiled with), and at the graph's first
-call runs each candidate's forward graph on the real inputs, to read the bytes of what that
-partition saves (storages, so a saved view keeps its whole base, as it does in training). It
-counts the calls of each graph: a graph's saved bytes stay alive once per call until the
-backward. `added_bytes(budget)` is then what a step at `budget` keeps beyond a step at the
-traced budget.
+it traces each graph once and runs it partitioned at the traced budget, keeping the joint graph
+(after inductor's joint-graph passes) and each step's first inputs of the graph. It counts the
+calls of each graph: a graph's saved bytes stay alive once per call until the backward.
+
+`added_bytes(budget)`, asked after a step, is what a step at `budget` keeps beyond a step at
+the traced budget. The first time a budget is asked for, each graph's joint graph is partitioned
+at it (on a copy) and that forward runs once on the kept inputs, to read the bytes of what the
+partition saves (storages, so a saved view keeps its whole base, as it does in training).
+Partitioning is most of what the estimate costs (about a second per graph and budget for a
+full-size block), so only the budgets asked for are partitioned: auto asks in ascending order
+and stops at the first predicted not to fit. `release_inputs()` drops the kept inputs.
 
 auto (compile_accel.auto_budget) uses it to compile and time only the budgets that should fit,
 instead of compiling each candidate with inductor to find out.
@@ -70,19 +74,38 @@ def _saved_bytes(saved: Sequence[Any], kept: Sequence[Any]) -> int:
     return total
 
 
+def _layout(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return None
+    return value.shape, value.stride(), value.dtype, value.device
+
+
+def _as_called(value: Any, layout: Any) -> Any:
+    """A kept input as the graph saw it. A tensor whose layout changed since (a swapped-out
+    block's weight now on the CPU, an offloaded one emptied) is stood in for by zeros of the
+    old layout: what a partition saves depends on the sizes, not on the values."""
+    if layout is None or _layout(value) == layout:
+        return value
+    shape, stride, dtype, device = layout
+    return torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_()
+
+
 @dataclass
 class GraphRecord:
-    """One traced training graph: its forward at each other candidate budget, and what each
-    budget saves (the traced budget's own forward is the graph's)."""
+    """One traced training graph: its joint graph, what each budget asked for saves, its
+    calls in the current step and the inputs of the first (with their layouts then)."""
 
-    forwards: dict[float, torch.fx.GraphModule]
-    num_fwd_outputs: int
-    saved_bytes: dict[float, int] = field(default_factory=dict)  # filled at the first call
+    joint: torch.fx.GraphModule  # after the traced budget's partition; copies are partitioned again
+    joint_inputs: Any
+    partition_kwargs: dict[str, Any]
+    saved_bytes: dict[float, int] = field(default_factory=dict)
     calls: int = 0
+    inputs: list[tuple[Any, Any]] = field(default_factory=list)  # (value, layout) of the step's first call
 
 
 class SavedBytesEstimate:
-    """Traces graphs at `budget` (one of `candidates`) and measures every candidate's saved bytes."""
+    """Traces graphs at `budget` (one of `candidates`) and measures the saved bytes of the
+    candidates asked for."""
 
     def __init__(self, candidates: Sequence[float], budget: float) -> None:
         if budget not in candidates:
@@ -101,7 +124,7 @@ class SavedBytesEstimate:
             fw_compiler=self._forward,
             bw_compiler=lambda gm, example_inputs: make_boxed_func(gm.forward),
             inference_compiler=lambda gm, example_inputs: make_boxed_func(gm.forward),
-            partition_fn=self._partition_all,
+            partition_fn=self._partition_traced,
             decompositions=select_decomp_table(),
         )
 
@@ -111,26 +134,45 @@ class SavedBytesEstimate:
             graph.calls = 0
 
     def added_bytes(self, budget: float) -> int:
-        """What a step at `budget` saves beyond a step at the traced budget (negative: less)."""
-        return sum(g.calls * (g.saved_bytes[budget] - g.saved_bytes[self.budget]) for g in self.graphs if g.saved_bytes)
+        """What the last step would have saved at `budget` beyond what it saved at the traced
+        budget (negative: less). Call it before `release_inputs()`."""
+        if budget not in self.candidates:
+            raise ValueError(f"budget {budget} is not one of the candidates {self.candidates}")
+        called = [g for g in self.graphs if g.calls]
+        return sum(g.calls * (self._saved(g, budget) - g.saved_bytes[self.budget]) for g in called)
 
-    def _partition_all(
+    def release_inputs(self) -> None:
+        """Drop the inputs kept from the last step (they would add to the next step's peak)."""
+        for graph in self.graphs:
+            graph.inputs = []
+
+    def _partition_traced(
         self, joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any
     ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
-        # The traced budget first: inductor's joint-graph passes run once, on `joint` itself;
-        # the other budgets partition copies of the graph they left (the partitioner changes
-        # the graph it is given).
+        # Inductor's joint-graph passes run once, here, on `joint` itself; other budgets partition
+        # copies of the graph they and this partition left (the partitioner changes the graph it is given).
         with torch._functorch.config.patch(activation_memory_budget=self.budget):
             forward, backward = self._partition(joint, joint_inputs, **kwargs)
-        forwards = {}
-        for budget in self.candidates:
-            if budget != self.budget:
-                with torch._functorch.config.patch(activation_memory_budget=budget):
-                    forwards[budget], _ = min_cut_rematerialization_partition(
-                        copy.deepcopy(joint), joint_inputs, compiler="inductor", **kwargs
-                    )
-        self._pending = GraphRecord(forwards, num_fwd_outputs=kwargs["num_fwd_outputs"])
+        self._pending = GraphRecord(joint, joint_inputs, kwargs)
         return forward, backward
+
+    def _saved(self, graph: GraphRecord, budget: float) -> int:
+        if budget not in graph.saved_bytes:
+            with torch._functorch.config.patch(activation_memory_budget=budget):
+                forward, _ = min_cut_rematerialization_partition(
+                    copy.deepcopy(graph.joint), graph.joint_inputs, compiler="inductor", **graph.partition_kwargs
+                )
+            args = [_as_called(value, layout) for value, layout in graph.inputs]
+            # As AOTAutograd runs a forward graph: without grad, and without autocast (the graph
+            # holds its casts).
+            with torch.no_grad(), _no_autocast():
+                graph.saved_bytes[budget] = self._measure(graph, forward(*args), args)
+        return graph.saved_bytes[budget]
+
+    @staticmethod
+    def _measure(graph: GraphRecord, outputs: Sequence[Any], args: Sequence[Any]) -> int:
+        split = graph.partition_kwargs["num_fwd_outputs"]
+        return _saved_bytes(outputs[split:], [*args, *outputs[:split]])
 
     def _forward(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Callable:
         record, self._pending = self._pending, None
@@ -139,20 +181,20 @@ class SavedBytesEstimate:
             return make_boxed_func(run)
         self.graphs.append(record)
 
-        def saved(outputs: Sequence[Any], args: Sequence[Any]) -> int:
-            split = record.num_fwd_outputs
-            return _saved_bytes(outputs[split:], [*args, *outputs[:split]])
-
         def forward(*args: Any) -> Any:
             record.calls += 1
-            if record.saved_bytes:
-                return run(*args)
-            for budget, candidate in record.forwards.items():
-                record.saved_bytes[budget] = saved(candidate(*args), args)
-            record.forwards = {}  # measured: the graphs are not needed again
-            outputs = run(*args)  # the traced budget's own forward: measured from this call
-            record.saved_bytes[self.budget] = saved(outputs, args)
+            outputs = run(*args)
+            if record.calls == 1:
+                record.inputs = [(value, _layout(value)) for value in args]
+                if self.budget not in record.saved_bytes:  # the traced budget: this call's own
+                    record.saved_bytes[self.budget] = self._measure(record, outputs, args)
             return outputs
 
         return make_boxed_func(forward)
 
+
+def _no_autocast() -> contextlib.AbstractContextManager:
+    stack = contextlib.ExitStack()
+    for device_type in ("cuda", "cpu"):
+        stack.enter_context(torch.autocast(device_type, enabled=False))
+    return stack

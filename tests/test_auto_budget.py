@@ -12,7 +12,7 @@ from conftest import ONE_BLOCK_CLASS, build, inputs_for, lora_step, relative_err
 
 import compile_accel
 from compile_accel import CompileConfig
-from compile_accel import BlockOffloadConductor
+from compile_accel import BlockOffloadConductor, saved_bytes
 from compile_accel.auto_budget import CANDIDATES, GIB, AutoBudget, Measurement, OffloadLadder, cache_path, choose
 from compile_accel.memory import SavedActivationMeter
 from compile_accel.stats import Stats
@@ -56,10 +56,9 @@ def _scripted_prediction(acceleration: compile_accel.Acceleration, error_gib: fl
     """The real prediction (its traced step runs), answering PEAKS plus `error_gib` instead."""
     real = acceleration.auto_budget.predict
 
-    def predict(run, device, parameters, counts):
-        predicted = real(run, device, parameters, counts)
-        assert set(predicted) == set(acceleration.auto_budget.candidates)
-        return {budget: int((PEAKS[budget] + error_gib) * GIB) for budget in predicted}
+    def predict(run, device, parameters, counts, limit):
+        assert real(run, device, parameters, counts, limit)  # the traced step predicted something
+        return {budget: int((PEAKS[budget] + error_gib) * GIB) for budget in acceleration.auto_budget.candidates}
 
     return predict
 
@@ -143,21 +142,38 @@ def test_calibration_picks_the_fastest_fitting_budget_and_leaves_training_unchan
     assert acceleration.stats()["auto_budget"]["cached"] and acceleration.stats()["auto_budget"]["budget"] == 0.5
 
 
-def test_predicted_peaks_are_what_each_budget_saves() -> None:
+def test_predicted_peaks_are_what_each_budget_saves(monkeypatch) -> None:
     """The traced step's prediction for every candidate against the bytes autograd saves in a
-    step compiled at that budget (the CPU's peak), on the same batch: within 1% of the largest."""
+    step compiled at that budget (the CPU's peak), on the same batch: within 1% of the largest.
+    Budgets are partitioned when first asked for, in ascending order up to the first predicted
+    over the limit, and once."""
     model, _ = _model()
     inputs = inputs_for(model)
     acceleration = _auto(model, 1.0, [])
-    predicted = {}
+    partitioned: list[float] = []
+    real_partition = saved_bytes.min_cut_rematerialization_partition
 
-    def predict(run, device, parameters, counts):
-        predicted.update(acceleration.auto_budget._predict(run, device, parameters, counts))
-        raise KeyboardInterrupt  # stop after the prediction
+    def partition(*args, **kwargs):
+        partitioned.append(torch._functorch.config.activation_memory_budget)
+        return real_partition(*args, **kwargs)
+
+    monkeypatch.setattr(saved_bytes, "min_cut_rematerialization_partition", partition)
+    predictions = []
+
+    def predict(run, device, parameters, counts, limit):
+        real = acceleration.auto_budget._predict
+        predictions.append(real(run, device, parameters, counts, limit=-1))  # over at the traced budget
+        predictions.append(real(run, device, parameters, counts, limit=predictions[0][0.0]))
+        predictions.append(real(run, device, parameters, counts, limit=2**62))
+        raise KeyboardInterrupt  # stop after the predictions
 
     acceleration.auto_budget.predict = predict
     with pytest.warns(RuntimeWarning, match="calibration stopped"), pytest.raises(KeyboardInterrupt):
         lora_step(model, [], inputs)
+    low, middle, predicted = predictions
+    assert list(low) == [0.0] and list(middle) == [0.0, 0.1] and list(predicted) == list(CANDIDATES)
+    assert low[0.0] == middle[0.0] == predicted[0.0] < middle[0.1] == predicted[0.1]
+    assert partitioned == [0.1, 0.3, 0.5, 0.7, 1.0]  # one graph: each other budget once, when asked for
     acceleration.remove()
     measured = {}
     for budget in CANDIDATES:
@@ -170,6 +186,20 @@ def test_predicted_peaks_are_what_each_budget_saves() -> None:
     assert measured[1.0] > 2 * measured[0.0]  # the budgets differ enough for this to test something
     for budget in CANDIDATES:
         assert abs(predicted[budget] - measured[budget]) <= 0.01 * measured[1.0], (budget, predicted, measured)
+
+
+def test_inputs_kept_for_predicting_stand_in_for_what_moved_since() -> None:
+    """A graph's input kept from the traced step is used as it is while its layout is the
+    one the graph was called with; a block's weight swapped to another device or emptied since
+    is stood in for by zeros of the old layout, never used as it is now."""
+    weight = torch.nn.Parameter(torch.randn(3, 4).t())
+    layout = saved_bytes._layout(weight)
+    assert saved_bytes._as_called(weight, layout) is weight
+    assert saved_bytes._as_called(7, saved_bytes._layout(7)) == 7
+    weight.data = torch.empty(0)  # as an offloader leaves a weight it moved away
+    stand_in = saved_bytes._as_called(weight, layout)
+    assert stand_in is not weight and saved_bytes._layout(stand_in) == layout
+    assert torch.count_nonzero(stand_in) == 0
 
 
 def test_nothing_fits_warns_and_takes_the_lowest_peak() -> None:
@@ -312,7 +342,7 @@ class FakeTraining:
         self.measured.append((self.level, self.budget))
         return _fake_seconds(self.budget, self.level), int(self._peak_gib(self.budget) * GIB)
 
-    def _predict(self, run, device, parameters, counts) -> dict[float, int]:
+    def _predict(self, run, device, parameters, counts, limit) -> dict[float, int]:
         run()
         self.predicted_levels.append(self.level)
         return {budget: int((self._peak_gib(budget) + self.error_gib) * GIB) for budget in self.auto.candidates}
