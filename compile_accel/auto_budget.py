@@ -53,7 +53,7 @@ import torch.utils._pytree as pytree
 
 from .cache_files import cache_dir, run_inputs, run_key, write_atomically
 from .memory import SavedActivationMeter
-from .saved_bytes import SavedBytesEstimate, traced_step_attention
+from .saved_bytes import SavedBytesEstimate
 from .stats import Stats, warn
 
 logger = logging.getLogger("compile_accel")
@@ -445,8 +445,7 @@ class AutoBudget:
         estimate.new_step()
         predicted: dict[float, int] = {}
         try:
-            with traced_step_attention():
-                _, peak = _run_once(run, device, parameters)
+            _, peak = _run_once(run, device, parameters)
             for budget in self.candidates:
                 predicted[budget] = peak + estimate.added_bytes(budget)
                 if predicted[budget] > limit:

@@ -15,6 +15,12 @@ Partitioning is most of what the estimate costs (about a second per graph and bu
 full-size block), so only the budgets asked for are partitioned: auto asks in ascending order
 and stops at the first predicted not to fit. `release_inputs()` drops the kept inputs.
 
+The traced graphs hold the attention kernels the compiled step would run (cuDNN's, where
+torch picks it): the partitioner decides differently for them (cuDNN's attention is not among
+its compute-intensive ops, flash and efficient attention are). Traced with cuDNN's kernel
+ruled out, diffusers' Lumina 2 was predicted 10.91 GiB at budget 0.1 where the compiled step
+peaks at 8.86 GiB (9.90 predicted with it), and auto chose 0.0.
+
 auto (compile_accel.auto_budget) uses it to compile and time only the budgets that should fit,
 instead of compiling each candidate with inductor to find out.
 """
@@ -49,14 +55,28 @@ def _inductor_partition() -> PartitionFn:
     return functools.partial(min_cut_rematerialization_partition, compiler="inductor")
 
 
-def traced_step_attention() -> contextlib.AbstractContextManager:
-    """SDPA kernels for the traced step: any but cuDNN's. Its backward, run uncompiled from an
-    AOTAutograd graph, hit an illegal memory access on sd-scripts' Flux (H100, torch 2.11,
-    under CUDA_LAUNCH_BLOCKING: `mha_graph.execute` failed); flash attention saves tensors of
-    the same sizes (output and log-sum-exp)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+def _laid_out_as(grad: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`grad` with the strides of `out` (a copy when they differ)."""
+    if grad.stride() == out.stride():
+        return grad
+    return torch.empty_strided(out.shape, out.stride(), dtype=grad.dtype, device=grad.device).copy_(grad)
 
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+def cudnn_attention_gradients_laid_out(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """`gm` (a backward graph, changed in place) with each cuDNN attention backward given the
+    output's gradient in the output's strides, as inductor's lowering gives it (its SDPA layout
+    constraint); run uncompiled, the graph passes the gradient as it comes. On sd-scripts' Flux
+    (H100, torch 2.11) it came with strides (70778880, 128, 15360, 1) against the output's
+    (14155776, 589824, 128, 1), and cuDNN's backward failed with an illegal memory access."""
+    target = torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default
+    calls = [node for node in gm.graph.nodes if node.op == "call_function" and node.target is target]
+    for node in calls:
+        grad, out = node.args[0], node.args[4]  # (grad_out, query, key, value, out, ...)
+        with gm.graph.inserting_before(node):
+            node.args = (gm.graph.call_function(_laid_out_as, (grad, out)), *node.args[1:])
+    if calls:
+        gm.recompile()
+    return gm
 
 
 def _saved_bytes(saved: Sequence[Any], kept: Sequence[Any]) -> int:
@@ -122,7 +142,7 @@ class SavedBytesEstimate:
 
         return aot_autograd(
             fw_compiler=self._forward,
-            bw_compiler=lambda gm, example_inputs: make_boxed_func(gm.forward),
+            bw_compiler=lambda gm, example_inputs: make_boxed_func(cudnn_attention_gradients_laid_out(gm).forward),
             inference_compiler=lambda gm, example_inputs: make_boxed_func(gm.forward),
             partition_fn=self._partition_traced,
             decompositions=select_decomp_table(),

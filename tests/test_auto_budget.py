@@ -202,6 +202,27 @@ def test_inputs_kept_for_predicting_stand_in_for_what_moved_since() -> None:
     assert torch.count_nonzero(stand_in) == 0
 
 
+def test_cudnn_attention_backward_gets_its_gradient_laid_out_as_the_output() -> None:
+    """The traced step's uncompiled backward gives cuDNN's attention backward the output's
+    gradient in the output's strides (as inductor does), with its values; other calls unchanged."""
+    graph = torch.fx.Graph()
+    grad, out, other = (graph.placeholder(name) for name in ("grad", "out", "other"))
+    backward = torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default
+    attention = graph.call_function(backward, (grad, other, other, other, out))
+    added = graph.call_function(torch.add, (grad, out))
+    graph.output((attention, added))
+    gm = saved_bytes.cudnn_attention_gradients_laid_out(torch.fx.GraphModule(torch.nn.Module(), graph))
+    laid_out = attention.args[0]
+    assert laid_out.target is saved_bytes._laid_out_as and laid_out.args == (grad, out)
+    assert attention.args[1:] == (other, other, other, out) and added.args == (grad, out)
+
+    output = torch.randn(2, 3, 8, 4)  # (batch, heads, tokens, head dim), contiguous
+    gradient = torch.randn(2, 8, 3, 4).transpose(1, 2)  # as a projection's backward gives it
+    same = saved_bytes._laid_out_as(gradient, output)
+    assert same.stride() == output.stride() and torch.equal(same, gradient)
+    assert saved_bytes._laid_out_as(output, output) is output
+
+
 def test_nothing_fits_warns_and_takes_the_lowest_peak() -> None:
     model, params = _model()
     acceleration = _auto(model, 0.5, [], candidates=(0.0, 0.5))
