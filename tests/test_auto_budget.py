@@ -215,6 +215,7 @@ def test_cudnn_attention_backward_gets_its_gradient_laid_out_as_the_output() -> 
     laid_out = attention.args[0]
     assert laid_out.target is saved_bytes._laid_out_as and laid_out.args == (grad, out)
     assert attention.args[1:] == (other, other, other, out) and added.args == (grad, out)
+    assert "_laid_out_as" in gm.code  # recompiled: the module runs the rewritten graph
 
     output = torch.randn(2, 3, 8, 4)  # (batch, heads, tokens, head dim), contiguous
     gradient = torch.randn(2, 8, 3, 4).transpose(1, 2)  # as a projection's backward gives it
