@@ -49,11 +49,34 @@ def markdown_table(report: dict[str, Any], baseline: str = "eager+ckpt") -> str:
         cap_note(report),
         auto_note(ran),
         compile_profile_table(ran),
+        compile_workers_table(ran),
         offload_table(ran),
         parallel_table(ran),
         gpu_time_table(ran),
     ]
     return "\n\n".join(["\n".join(lines), *(table for table in extra if table)])
+
+
+def compile_workers_table(report: dict[str, Any]) -> str:
+    """The modes that compiled in workers (--compile-workers): first and second step, and when the
+    last compiled graph was back, from the first step's start."""
+    rows = [r for r in report["results"] if "compile_workers" in r["stats"]]
+    if not rows:
+        return ""
+    lines = [
+        "Compiled in worker processes (steps run what is not back yet uncompiled):",
+        "",
+        "| mode | first step s | second step s | all graphs compiled after s | graphs in workers | failed there |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        s, w = r["stats"], r["stats"]["compile_workers"]
+        lines.append(
+            f"| {r['mode']} | {r['first_step_s']:.1f} | {w['second_step_s']:.1f} | {w['compiled_after_s']:.1f} "
+            f"| {s.get('worker_graphs_compiled', 0)} of {s.get('worker_graphs_started', 0)} "
+            f"| {len(s.get('worker_failures', []))} |"
+        )
+    return "\n".join(lines)
 
 
 def cap_note(report: dict[str, Any]) -> str:

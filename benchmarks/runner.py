@@ -45,6 +45,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from compile_accel import BlockOffloadConductor
+from compile_accel import compile_workers
 from compile_accel.compile_cache import load_compile_cache, save_compile_cache
 from compile_accel.distributed import apply_ddp
 from compile_accel.memory import SavedActivationMeter
@@ -81,6 +82,7 @@ class BenchSettings:
     fp8_base: bool = False
     blocks_to_swap: int | None = None
     vram_cap_gib: float | None = None
+    compile_workers: int = 0
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, device: str) -> BenchSettings:
@@ -175,6 +177,15 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
         help="GPU only: each mode may allocate at most G GiB per GPU (torch.cuda.set_per_process_memory_fraction), "
         "so a large GPU shows what fits a G GiB card; a mode that runs out of memory is a row marked OOM",
     )
+    parser.add_argument(
+        "--compile-workers",
+        type=_whole_number(0),
+        default=0,
+        metavar="N",
+        help="compiled modes hand inductor's code generation to N worker processes (CompileConfig.compile_workers); "
+        "the second step is timed too (it runs what is not compiled yet uncompiled), then the bench waits for the "
+        "workers and reports when the last graph was back",
+    )
 
 
 @dataclass
@@ -240,7 +251,7 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
     lora_before = [p.detach().to("cpu", copy=True) for p in bench.lora_params] if bf16_output is not None else []
     if spec.checkpointing:
         bench.enable_checkpointing()
-    config = dataclasses.replace(spec.config, exclude=bench.exclude)
+    config = dataclasses.replace(spec.config, exclude=bench.exclude, compile_workers=settings.compile_workers)
     if config.activation_memory_budget == "auto":
         config.vram_limit_gib = settings.vram_limit_gib
     acceleration = bench.accelerate(model, config)
@@ -277,6 +288,7 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
     step()
     synchronize(gpus)
     first = time.perf_counter() - start
+    workers = _await_compile_workers(step, gpus, start) if compile_workers.pending() else None
     for _ in range(settings.warmup):
         step()
     synchronize(gpus)
@@ -306,6 +318,8 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
     stats["torch_compile_timers_s"] = {
         name: round(sum(seconds), 3) for name, seconds in torch._dynamo.utils.compilation_time_metrics.items()
     }
+    if workers is not None:
+        stats["compile_workers"] = workers
     if cache_file is not None and _rank() == 0:
         stats["compile_cache"] = {"loaded": cache_loaded, "saved_bytes": save_compile_cache(cache_file)}
     if conductor is not None:
@@ -350,6 +364,18 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
         processes=spec.ddp,
         devices=spec.ddp * spec.split,
     )
+
+
+def _await_compile_workers(step: Callable[[], float], gpus: list[torch.device], start: float) -> dict[str, float]:
+    """After a first step that left graphs compiling in workers: the second step's seconds (its
+    graphs still compiling run uncompiled) and when, from the first step's start, the last
+    compiled graph was back."""
+    second_start = time.perf_counter()
+    step()
+    synchronize(gpus)
+    second = time.perf_counter() - second_start
+    compile_workers.wait()
+    return {"second_step_s": second, "compiled_after_s": time.perf_counter() - start}
 
 
 def _out_of_memory(error: BaseException | None) -> BaseException | None:

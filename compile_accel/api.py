@@ -16,6 +16,7 @@ from .adapters import ModelAdapter, ModelOffloadLadder
 from .auto_budget import AutoBudget, OffloadLadder
 from .saved_bytes import SavedBytesEstimate
 from .blocks import BlockList, resolve_block_lists
+from . import compile_workers
 from .backend import start_compile_workers
 from .compile_profile import CompileClock, CompileTimes
 from .config import CompileConfig
@@ -133,6 +134,11 @@ def _check_model(model: nn.Module) -> None:
 
 
 def _check_backend(config: CompileConfig) -> None:
+    if config.compile_workers and not compile_workers.SUPPORTED:
+        raise ValueError(
+            "CompileConfig.compile_workers needs torch's out-of-process compile (torch >= 2.8) and its "
+            "subprocess pool, which does not run on Windows; use compile_workers=0"
+        )
     try:
         torch._dynamo.lookup_backend(config.backend)
     except Exception:
@@ -279,6 +285,8 @@ def _compile_blocks(
         region.install()
     if regions and config.backend == "inductor":
         start_compile_workers()
+        if config.compile_workers:
+            compile_workers.start(config.compile_workers)
     acceleration = Acceleration(model, config, block_lists, regions, eager_patches, switches, stats)
     if config.activation_memory_budget == "auto":
 

@@ -25,6 +25,7 @@ A torch without the knob keeps the lazy compile.
 from __future__ import annotations
 
 import threading
+from contextlib import nullcontext
 from typing import Any, Callable
 
 import torch
@@ -32,6 +33,7 @@ import torch._functorch.config
 import torch.fx
 import torch.utils._pytree as pytree
 
+from . import compile_workers
 from .attention import rewrite_attention
 from .config import CompileConfig
 from .dynamo_settings import HAS_EAGER_BACKWARD_KNOB
@@ -163,6 +165,8 @@ class RegionBackend:
             self._aot_settings["force_non_lazy_backward_lowering"] = True
         # Inductor settings patched around every compile of a region, and only there.
         self._inductor_settings = FAST_COMPILE_SETTINGS if config.fast_compile else {}
+        # Inductor's code generation in the worker processes (not for auto's traced estimate).
+        self.in_workers = config.compile_workers > 0 and estimate is None
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         op = _complex_op(gm)
@@ -176,7 +180,16 @@ class RegionBackend:
             self.saw_checkpoint = True
         signature = _signature(gm)
         rewrite_attention(gm)
-        with torch._functorch.config.patch(self._aot_settings), torch._inductor.config.patch(self._inductor_settings):
+        workers = (
+            compile_workers.compiling_in_workers(self.stats, f"graph {torch._guards.CompileContext.current_compile_id()}")
+            if self.in_workers
+            else nullcontext()
+        )
+        with (
+            torch._functorch.config.patch(self._aot_settings),
+            torch._inductor.config.patch(self._inductor_settings),
+            workers,
+        ):
             compiled = _flagging(self.inner(gm, example_inputs))
         # Counted once compiled: a compile that raised (or a Ctrl-C) made no graph, and the
         # retry of the same graph is no recompile.

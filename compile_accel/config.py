@@ -45,6 +45,10 @@ class CompileConfig:
     fast_compile: compile the regions without inductor's pattern-matcher passes and without
         autotuning pointwise kernels (compile_accel.backend.FAST_COMPILE_SETTINGS): seconds less
         per block class, steps measured as fast. False compiles with inductor's defaults.
+    compile_workers: 0 compiles each graph in this process, the step waiting for it. N > 0 hands
+        inductor's code generation to N worker processes (inductor only; not on Windows): the
+        step runs each graph uncompiled until its compiled graph is back, and graphs of every
+        block class compile at the same time (compile_accel.compile_workers).
     """
 
     mode: str = "selective"
@@ -57,6 +61,7 @@ class CompileConfig:
     exclude: list[str] = field(default_factory=list)
     vram_limit_gib: float | None = None
     fast_compile: bool = True
+    compile_workers: int = 0
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and what it allows."""
@@ -111,5 +116,13 @@ class CompileConfig:
             or self.recompile_limit < 1
         ):
             raise ValueError(f"CompileConfig.recompile_limit must be an int >= 1, got {self.recompile_limit!r}")
+        workers = self.compile_workers
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+            raise ValueError(f"CompileConfig.compile_workers must be an int >= 0, got {workers!r}")
+        if workers and self.backend != "inductor":
+            raise ValueError(
+                f"CompileConfig.compile_workers hands inductor's code generation to workers; backend={self.backend!r} "
+                "is not inductor"
+            )
         if not isinstance(self.exclude, (list, tuple)) or not all(isinstance(p, str) for p in self.exclude):
             raise ValueError(f"CompileConfig.exclude must be a list of glob patterns, got {self.exclude!r}")

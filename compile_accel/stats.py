@@ -45,6 +45,11 @@ class Stats:
     checkpointing_switched_off: list[str] = field(default_factory=list)
     still_checkpointed: list[str] = field(default_factory=list)
     uncalled_regions: list[str] = field(default_factory=list)
+    # CompileConfig.compile_workers: graphs handed to the workers, those back and switched to,
+    # and those whose compile failed there (they run uncompiled).
+    worker_graphs_started: int = 0
+    worker_graphs_compiled: int = 0
+    worker_failures: list[str] = field(default_factory=list)
 
     def record_graph(self, signature: tuple) -> None:
         self.graphs += 1
@@ -63,6 +68,9 @@ class Stats:
         self.recompile_limit_hits += other.recompile_limit_hits
         self.fallbacks += other.fallbacks
         self.still_checkpointed += [r for r in other.still_checkpointed if r not in self.still_checkpointed]
+        self.worker_graphs_started += other.worker_graphs_started
+        self.worker_graphs_compiled += other.worker_graphs_compiled
+        self.worker_failures += other.worker_failures
 
     def as_dict(self) -> dict[str, Any]:
         fallen = {name for name, _ in self.fallbacks}
@@ -79,6 +87,9 @@ class Stats:
             "checkpointing_switched_off": list(self.checkpointing_switched_off),
             "still_checkpointed": list(self.still_checkpointed),
             "uncalled_regions": list(self.uncalled_regions),
+            "worker_graphs_started": self.worker_graphs_started,
+            "worker_graphs_compiled": self.worker_graphs_compiled,
+            "worker_failures": list(self.worker_failures),
         }
 
 

@@ -1,0 +1,222 @@
+"""Inductor's code generation in worker processes, while the step runs the graphs uncompiled.
+
+Cold, most of a first step is inductor's Python work on each graph (lowering, scheduling, code
+generation: 10-20 s per block class on an H100, benchmarks/results/h100_compile_profile/), done
+one graph after another in the training process while the step waits.
+
+With `CompileConfig.compile_workers = N`, each graph AOTAutograd hands to inductor goes to one of
+N worker processes instead, through torch's own out-of-process compile
+(torch._inductor.compile_fx_ext pickles the graph, its fake example inputs and inductor's
+settings; the worker runs inductor's `codegen_and_compile`). Dynamo's trace, AOTAutograd's joint
+trace and the min-cut partition still run here. Until its compiled graph is back, a graph runs
+as traced: its aten ops uncompiled, as torch's aot_eager backend runs them, saving what the
+partition saves. The first call after the worker is done switches to the compiled graph. So the
+first step does not wait for inductor, and the graphs of every block class, forward and
+backward, compile at the same time.
+
+Caches: inductor saves a graph to its FX graph cache right after compiling it; a graph compiled
+in a worker is saved when it arrives (with the cache key and guards of its compile here), so a
+restart loads it as it loads one compiled in process. A restart before it arrived compiles it
+again. torch's subprocess pool passes file descriptors to its children: not on Windows.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import contextlib
+import importlib
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any, Callable
+from unittest import mock
+
+import torch
+from torch._functorch.aot_autograd import make_boxed_func
+
+from .saved_bytes import cudnn_attention_gradients_laid_out
+from .stats import Stats, warn
+
+try:  # torch's out-of-process compile (torch >= 2.8)
+    from torch._inductor.compile_fx_subproc import _SubprocessFxCompile
+    from torch._inductor.output_code import OutputCode
+except ImportError:
+    _SubprocessFxCompile = None
+    OutputCode = object
+
+SUPPORTED = _SubprocessFxCompile is not None and sys.platform != "win32"
+
+_lock = threading.Lock()
+_pool: Any = None
+_unswitched: list[WorkerCompiledGraph] = []  # handed to the workers, not yet running compiled
+
+
+def start(count: int) -> None:
+    """Start the pool of `count` compile workers (once per process; a later count is ignored).
+    Each worker's inductor compiles its kernels with its share of the CPU cores, so N workers
+    do not start N full kernel-compile pools."""
+    global _pool
+    if _pool is not None:
+        return
+    from torch._inductor.compile_worker.subproc_pool import SubprocKind, SubprocPool
+
+    threads = str(max(1, (os.cpu_count() or 1) // count))
+    # Read by each worker's inductor when it is imported there; the pool's processes take the
+    # environment as it is now.
+    with mock.patch.dict(os.environ, {"TORCHINDUCTOR_COMPILE_THREADS": threads}):
+        _pool = SubprocPool(count, kind=SubprocKind.SPAWN)
+    atexit.register(_pool.shutdown)
+
+
+def pending() -> int:
+    """Graphs (of every model in this process) handed to the workers and not yet running
+    compiled: still compiling, or back and switched to at their next call."""
+    with _lock:
+        _unswitched[:] = [graph for graph in _unswitched if graph.future is not None]
+        return len(_unswitched)
+
+
+def wait() -> int:
+    """Wait until the workers are done with every graph handed to them; returns `pending()` as it
+    was before (not 0: the next call of those graphs switches to the compiled ones)."""
+    waiting = pending()
+    with _lock:
+        futures = [graph.future for graph in _unswitched if graph.future is not None]
+    concurrent.futures.wait(futures)
+    return waiting
+
+
+class WorkerCompiledGraph(OutputCode):
+    """Inductor's output for a graph compiled in a worker: runs the graph uncompiled until the
+    worker's compiled graph is back, then that. A worker's error is warned about once and the
+    graph stays uncompiled (counted in the stats' `worker_failures`)."""
+
+    def __init__(
+        self, uncompiled: Callable, future: concurrent.futures.Future, unpack: Callable, stats: Stats, label: str
+    ) -> None:
+        # Called with the inputs in a list, as inductor's compiled graphs are. An instance attribute:
+        # the wrapper dynamo puts around a backward copies the instance's, not the class's.
+        self._boxed_call = True
+        self._run = uncompiled
+        self.future: concurrent.futures.Future | None = future
+        self._unpack = unpack
+        self._stats = stats
+        self._label = label
+        self._post_compile: tuple | None = None
+        self._save: Callable[[Any], None] | None = None
+        self._switch_lock = threading.Lock()
+        with _lock:
+            _unswitched.append(self)
+
+    def __call__(self, inputs: list[Any]) -> Any:
+        if self.future is not None and self.future.done():
+            self._switch()
+        return self._run(inputs)
+
+    def _switch(self) -> None:
+        with self._switch_lock:
+            future, self.future = self.future, None
+            if future is None:
+                return
+            try:
+                compiled = self._unpack(future.result())
+                if self._post_compile is not None:
+                    compiled.post_compile(*self._post_compile)
+            except Exception as error:  # the worker's compile error, or loading what it made
+                self._stats.worker_failures.append(f"{self._label}: {type(error).__name__}: {error}")
+                warn(f"{self._label} failed to compile in a worker and keeps running uncompiled: {error}")
+                return
+            self._run = compiled
+            self._stats.worker_graphs_compiled += 1
+            if self._save is not None:
+                self._save(compiled)
+
+    def post_compile(self, example_inputs: Any, constants: Any, graph_kwargs: Any) -> None:
+        # What inductor does to a compiled graph before its first call (cudagraphs, input
+        # alignment), done to the worker's graph when it arrives.
+        self._post_compile = (example_inputs, constants, graph_kwargs)
+
+    def set_triton_bundle(self, triton_bundle: Any) -> None:
+        pass  # the kernels were compiled in the worker, into the shared Triton cache
+
+
+def _cache_env() -> dict[str, str]:
+    # As torch's own subprocess compile: the worker writes where this process reads.
+    return {name: os.environ[name] for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR") if name in os.environ}
+
+
+def conversions_as_copies(gm: torch.fx.GraphModule) -> int:
+    """Rewrite `gm`'s `prims.convert_element_type(x, dtype)` as `aten._to_copy(x, dtype=dtype)`
+    (the same values; inductor lowers both to one dtype conversion); returns how many. torch's
+    graph pickler takes aten ops only, and a graph traced under autocast holds a conversion per
+    cast (torch 2.11 on an H100: every bf16 block graph was refused a worker for it)."""
+    target = torch.ops.prims.convert_element_type.default
+    conversions = [node for node in gm.graph.nodes if node.op == "call_function" and node.target is target]
+    for node in conversions:
+        source, dtype = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs["dtype"]
+        node.target, node.args, node.kwargs = torch.ops.aten._to_copy.default, (source,), {"dtype": dtype}
+    if conversions:
+        gm.recompile()
+    return len(conversions)
+
+
+@contextlib.contextmanager
+def compiling_in_workers(stats: Stats, label: str) -> Iterator[None]:
+    """Inside: inductor hands each graph it would compile to the workers (`start` first)."""
+    # The module, not the function: some torch versions export the function `compile_fx` as an
+    # attribute of torch._inductor under the module's name.
+    compile_fx = importlib.import_module("torch._inductor.compile_fx")
+    from torch._inductor.codecache import FxGraphCache
+
+    codegen_here = compile_fx.fx_codegen_and_compile
+    save_graph = FxGraphCache._save_graph
+
+    def codegen_in_worker(gm: Any, example_inputs: Any, inputs_to_check: Any, *args: Any, **graph_kwargs: Any) -> Any:
+        kwargs = {k: v for k, v in graph_kwargs.items() if k != "compile_region_name"}
+        name = f"{label} ({'backward' if graph_kwargs.get('is_backward') else 'forward'})"
+        conversions_as_copies(gm)
+        scheme = _SubprocessFxCompile()
+        serialized = scheme.serialize_compile(gm, example_inputs, inputs_to_check, kwargs)
+        if serialized is None:  # torch logged why (a graph it cannot pickle)
+            warn(f"{name} could not be handed to a compile worker (torch logged why); it compiles in this process")
+            return codegen_here(gm, example_inputs, inputs_to_check, *args, **graph_kwargs)
+        pickled, constants = serialized
+        future = _pool.submit(_SubprocessFxCompile._run_in_child_subprocess, pickled, _cache_env())
+
+        def unpack(pickled_output: Any) -> Any:
+            output = pickled_output.deserialize(constants)
+            scheme._postprocess(output)  # the worker's logs and warnings, replayed here
+            return output.graph
+
+        # Uncompiled, a cuDNN attention backward needs the gradient in the output's layout.
+        uncompiled = cudnn_attention_gradients_laid_out(gm) if graph_kwargs.get("is_backward") else gm
+        stats.worker_graphs_started += 1
+        return WorkerCompiledGraph(make_boxed_func(uncompiled.forward), future, unpack, stats, name)
+
+    def save_when_compiled(key: str, graph: Any, example_inputs: Any, *args: Any) -> None:
+        if not isinstance(graph, WorkerCompiledGraph):
+            return save_graph(key, graph, example_inputs, *args)
+        shape_env = FxGraphCache._get_shape_env()  # this compile's; gone once it returns
+        # The guards inductor would store with the graph: AOTAutograd's cache entry, written when
+        # this compile returns, records them and loads the graph only where they are the same.
+        symints = FxGraphCache._filter_backed_symints(example_inputs)
+        graph.guards_expr = shape_env.produce_guards_expression(
+            placeholders=symints, guards=shape_env.get_pruned_guards(symints)
+        )
+
+        def save(compiled: Any) -> None:
+            try:
+                with mock.patch.object(FxGraphCache, "_get_shape_env", lambda: shape_env):
+                    save_graph(key, compiled, example_inputs, *args)
+            except Exception as error:
+                warn(f"{label}: the graph compiled in a worker could not be saved to inductor's cache: {error}")
+
+        graph._save = save
+
+    with (
+        mock.patch.object(compile_fx, "fx_codegen_and_compile", codegen_in_worker),
+        mock.patch.object(FxGraphCache, "_save_graph", save_when_compiled),
+    ):
+        yield
