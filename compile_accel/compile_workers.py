@@ -147,19 +147,8 @@ def _cache_env() -> dict[str, str]:
     return {name: os.environ[name] for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR") if name in os.environ}
 
 
-def conversions_as_copies(gm: torch.fx.GraphModule) -> int:
-    """Rewrite `gm`'s `prims.convert_element_type(x, dtype)` as `aten._to_copy(x, dtype=dtype)`
-    (the same values; inductor lowers both to one dtype conversion); returns how many. torch's
-    graph pickler takes aten ops only, and a graph traced under autocast holds a conversion per
-    cast (torch 2.11 on an H100: every bf16 block graph was refused a worker for it)."""
-    target = torch.ops.prims.convert_element_type.default
-    conversions = [node for node in gm.graph.nodes if node.op == "call_function" and node.target is target]
-    for node in conversions:
-        source, dtype = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs["dtype"]
-        node.target, node.args, node.kwargs = torch.ops.aten._to_copy.default, (source,), {"dtype": dtype}
-    if conversions:
-        gm.recompile()
-    return len(conversions)
+def _builtin_op(name: str) -> bool:
+    return name.startswith(("torch.ops.aten.", "torch.ops.prims.", "torch.ops.fbgemm."))
 
 
 @contextlib.contextmanager
@@ -169,6 +158,8 @@ def compiling_in_workers(stats: Stats, label: str) -> Iterator[None]:
     # attribute of torch._inductor under the module's name.
     compile_fx = importlib.import_module("torch._inductor.compile_fx")
     from torch._inductor.codecache import FxGraphCache
+    from torch.fx._graph_pickler import GraphPickler
+    from torch.fx._graph_pickler import Options as PicklerOptions
 
     codegen_here = compile_fx.fx_codegen_and_compile
     save_graph = FxGraphCache._save_graph
@@ -176,7 +167,6 @@ def compiling_in_workers(stats: Stats, label: str) -> Iterator[None]:
     def codegen_in_worker(gm: Any, example_inputs: Any, inputs_to_check: Any, *args: Any, **graph_kwargs: Any) -> Any:
         kwargs = {k: v for k, v in graph_kwargs.items() if k != "compile_region_name"}
         name = f"{label} ({'backward' if graph_kwargs.get('is_backward') else 'forward'})"
-        conversions_as_copies(gm)
         scheme = _SubprocessFxCompile()
         serialized = scheme.serialize_compile(gm, example_inputs, inputs_to_check, kwargs)
         if serialized is None:  # torch logged why (a graph it cannot pickle)
@@ -215,7 +205,16 @@ def compiling_in_workers(stats: Stats, label: str) -> Iterator[None]:
 
         graph._save = save
 
+    # torch's graph pickler refuses ops outside aten (its default filter); a graph traced under
+    # autocast holds a prims.convert_element_type per cast (torch 2.11 on an H100: every bf16
+    # block graph was refused). prims ops are torch's own, found by name in any process.
+    dumps = GraphPickler.dumps
+
+    def dumps_builtin_ops(obj: Any, options: Any = None) -> bytes:
+        return dumps(obj, options or PicklerOptions(ops_filter=_builtin_op))
+
     with (
+        mock.patch.object(GraphPickler, "dumps", dumps_builtin_ops),
         mock.patch.object(compile_fx, "fx_codegen_and_compile", codegen_in_worker),
         mock.patch.object(FxGraphCache, "_save_graph", save_when_compiled),
     ):

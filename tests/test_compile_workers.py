@@ -345,16 +345,3 @@ def test_bad_compile_workers_is_refused_and_changes_nothing(fields: dict, messag
     # No pool started, nothing handed to one.
     assert compile_workers._pool is pool and compile_workers.pending() == handed
 
-
-def test_conversions_become_copies_the_graph_pickler_takes() -> None:
-    graph = torch.fx.Graph()
-    x = graph.placeholder("x")
-    graph.output(graph.call_function(torch.ops.prims.convert_element_type.default, (x, torch.bfloat16)))
-    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
-    value = torch.randn(4, 8)
-    expected = gm(value)
-    assert compile_workers.conversions_as_copies(gm) == 1
-    targets = [node.target for node in gm.graph.nodes if node.op == "call_function"]
-    assert targets == [torch.ops.aten._to_copy.default]
-    result = gm(value)
-    assert result.dtype == torch.bfloat16 and torch.equal(result, expected)
