@@ -93,7 +93,7 @@ def _child_parser() -> argparse.ArgumentParser:
     "settings",
     [
         BenchSettings(model="sdscripts-flux", device="cuda", fp8_base=True, blocks_to_swap=18, vram_cap_gib=24.0),
-        BenchSettings(model="sdscripts-sd3", device="cuda", vram_cap_gib=23.5),
+        BenchSettings(model="sdscripts-sd3", device="cuda", vram_cap_gib=23.5, compile_workers=4),
         BenchSettings(),
     ],
 )
