@@ -201,7 +201,7 @@ def compiling_in_workers(stats: Stats, label: str) -> Iterator[None]:
                 with mock.patch.object(FxGraphCache, "_get_shape_env", lambda: shape_env):
                     save_graph(key, compiled, example_inputs, *args)
             except Exception as error:
-                warn(f"{label}: the graph compiled in a worker could not be saved to inductor's cache: {error}")
+                warn(f"{graph._label}: the graph compiled in a worker could not be saved to inductor's cache: {error}")
 
         graph._save = save
 
