@@ -18,6 +18,11 @@ Caches: inductor saves a graph to its FX graph cache right after compiling it; a
 in a worker is saved when it arrives (with the cache key and guards of its compile here), so a
 restart loads it as it loads one compiled in process. A restart before it arrived compiles it
 again. torch's subprocess pool passes file descriptors to its children: not on Windows.
+
+GPU memory: a worker that compiled a graph holds a CUDA context of its own (inductor loads the
+kernels it generated; ~520 MiB each on an H100, torch 2.11), outside the training process's
+memory. The pool is shut down as soon as every graph handed to it is back, which frees that
+memory; a later graph (new input shapes) starts a new pool.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import atexit
 import concurrent.futures
 import contextlib
 import importlib
+import logging
 import os
 import sys
 import threading
@@ -46,28 +52,72 @@ except ImportError:
     _SubprocessFxCompile = None
     OutputCode = object
 
+logger = logging.getLogger("compile_accel")
+
 SUPPORTED = _SubprocessFxCompile is not None and sys.platform != "win32"
 
 _lock = threading.Lock()
-_pool: Any = None
+_count = 0  # the pool's size, from the first apply() that asked for workers
+_pool: Any = None  # running while graphs handed to it are out (start, _submit)
+_out: list[concurrent.futures.Future] = []  # the running pool's graphs not yet back
 _unswitched: list[WorkerCompiledGraph] = []  # handed to the workers, not yet running compiled
 
 
 def start(count: int) -> None:
-    """Start the pool of `count` compile workers (once per process; a later count is ignored).
-    Each worker's inductor compiles its kernels with its share of the CPU cores, so N workers
-    do not start N full kernel-compile pools."""
-    global _pool
-    if _pool is not None:
-        return
-    from torch._inductor.compile_worker.subproc_pool import SubprocKind, SubprocPool
+    """Start the pool of `count` compile workers now, so that it is up by the first step (a later
+    count is ignored). Each worker's inductor compiles its kernels with its share of the CPU
+    cores, so N workers do not start N full kernel-compile pools."""
+    global _count
+    with _lock:
+        _count = _count or count
+        _running_pool()
 
-    threads = str(max(1, (os.cpu_count() or 1) // count))
-    # Read by each worker's inductor when it is imported there; the pool's processes take the
-    # environment as it is now.
-    with mock.patch.dict(os.environ, {"TORCHINDUCTOR_COMPILE_THREADS": threads}):
-        _pool = SubprocPool(count, kind=SubprocKind.SPAWN)
-    atexit.register(_pool.shutdown)
+
+def _running_pool() -> Any:
+    # Called with _lock held.
+    global _pool
+    if _pool is None:
+        from torch._inductor.compile_worker.subproc_pool import SubprocKind, SubprocPool
+
+        threads = str(max(1, (os.cpu_count() or 1) // _count))
+        # Read by each worker's inductor when it is imported there; the pool's processes take the
+        # environment as it is now.
+        with mock.patch.dict(os.environ, {"TORCHINDUCTOR_COMPILE_THREADS": threads}):
+            _pool = SubprocPool(_count, kind=SubprocKind.SPAWN)
+        atexit.register(_pool.shutdown)
+        logger.info("started %d compile workers", _count)
+    return _pool
+
+
+def _submit(*args: Any) -> concurrent.futures.Future:
+    """Hand one graph's compile to the pool (started again if it was shut down)."""
+    with _lock:
+        future = _running_pool().submit(*args)
+        _out.append(future)
+    future.add_done_callback(lambda _: stop_when_idle())
+    return future
+
+
+def stop_when_idle() -> None:
+    """Shut the pool down if no graph handed to it is out (called as each comes back, by `wait`,
+    and after a first step that found every graph in the caches)."""
+    global _pool
+    with _lock:
+        _out[:] = [future for future in _out if not future.done()]
+        if _out or _pool is None:
+            return
+        pool, _pool = _pool, None
+    atexit.unregister(pool.shutdown)
+    # Not in this thread: it can be the pool's own reader thread (a future's callback), which
+    # shutdown() joins.
+    threading.Thread(target=pool.shutdown, name="compile_accel-workers-shutdown", daemon=True).start()
+    logger.info("no graph is out in the compile workers: workers stopped, their GPU memory freed")
+
+
+def running() -> bool:
+    """Whether the worker pool is up (started, and graphs handed to it are out or none yet was)."""
+    with _lock:
+        return _pool is not None
 
 
 def pending() -> int:
@@ -85,6 +135,7 @@ def wait() -> int:
     with _lock:
         futures = [graph.future for graph in _unswitched if graph.future is not None]
     concurrent.futures.wait(futures)
+    stop_when_idle()  # now, not when the futures' callbacks get to it
     return waiting
 
 
@@ -130,6 +181,12 @@ class WorkerCompiledGraph(OutputCode):
                 return
             self._run = compiled
             self._stats.worker_graphs_compiled += 1
+            logger.info(
+                "%s: back from a compile worker, running compiled (%d of %d graphs handed to the workers)",
+                self._label,
+                self._stats.worker_graphs_compiled,
+                self._stats.worker_graphs_started,
+            )
             if self._save is not None:
                 self._save(compiled)
 
@@ -173,7 +230,7 @@ def compiling_in_workers(stats: Stats, label: str) -> Iterator[None]:
             warn(f"{name} could not be handed to a compile worker (torch logged why); it compiles in this process")
             return codegen_here(gm, example_inputs, inputs_to_check, *args, **graph_kwargs)
         pickled, constants = serialized
-        future = _pool.submit(_SubprocessFxCompile._run_in_child_subprocess, pickled, _cache_env())
+        future = _submit(_SubprocessFxCompile._run_in_child_subprocess, pickled, _cache_env())
 
         def unpack(pickled_output: Any) -> Any:
             output = pickled_output.deserialize(constants)

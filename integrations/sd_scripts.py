@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from compile_accel import Acceleration, CompileConfig
+from compile_accel import Acceleration, CompileConfig, compile_workers
 from compile_accel.adapters import ModelAdapter, ModelOffloadLadder, Undo, UnknownLayout
 from compile_accel.api import apply_adapter
 from compile_accel.auto_budget import OffloadLadder, spaced_levels
@@ -333,6 +333,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             help=f"graphs per block function before dynamo runs new inputs eager "
             f"(default {CompileConfig.recompile_limit}; raise it for many buckets)",
         )
+        group.add_argument(
+            "--compile_workers",
+            type=_positive_int,
+            default=None,
+            metavar="N",
+            help="compile the graphs in N worker processes while the first steps run them uncompiled: the first "
+            "step takes seconds instead of minutes; each worker holds ~0.5 GiB of GPU memory until every graph is "
+            "back (not on Windows)",
+        )
     except argparse.ArgumentError as error:
         raise LaunchError(
             f"this sd-scripts already defines {error.argument_name}: it has compile flags of its own that the "
@@ -350,10 +359,11 @@ def config_from_args(args: argparse.Namespace) -> CompileConfig | None:
             args.compile_dynamic != "auto"
             or args.compile_recompile_limit != CompileConfig.recompile_limit
             or args.no_compile_cache
+            or args.compile_workers
         ):
             raise LaunchError(
-                "--compile_dynamic, --compile_recompile_limit and --no_compile_cache need --selective_torch_compile "
-                "or --activation_memory_budget"
+                "--compile_dynamic, --compile_recompile_limit, --no_compile_cache and --compile_workers need "
+                "--selective_torch_compile or --activation_memory_budget"
             )
         return None
     asked = "--activation_memory_budget" if budget is not None else f"--selective_torch_compile ({SELECTIVE_ENV})"
@@ -369,6 +379,11 @@ def config_from_args(args: argparse.Namespace) -> CompileConfig | None:
         )
     if getattr(args, "deepspeed", False):
         raise LaunchError(f"{asked} does not support --deepspeed (its model wrapper hides the blocks)")
+    if args.compile_workers and not compile_workers.SUPPORTED:
+        raise LaunchError(
+            "--compile_workers needs torch's out-of-process compile (torch >= 2.8) and its subprocess pool, "
+            f"which does not run on Windows (this is torch {torch.__version__} on {sys.platform}); drop the flag"
+        )
     if budget is not None and not HAS_BUDGET_KNOB:
         raise LaunchError(f"--activation_memory_budget needs torch >= 2.4 (this is {torch.__version__})")
     return CompileConfig(
@@ -377,6 +392,7 @@ def config_from_args(args: argparse.Namespace) -> CompileConfig | None:
         vram_limit_gib=args.vram_limit_gib,
         dynamic=_DYNAMIC[args.compile_dynamic],
         recompile_limit=args.compile_recompile_limit,
+        compile_workers=args.compile_workers or 0,
     )
 
 
@@ -470,9 +486,17 @@ class Launch:
             loaded = "loaded from" if self.compile_cache.loaded else "not yet in"
             saved = self.compile_cache.save()
             cache = f"; compiled graphs {loaded} {self.compile_cache.path}{', saved there' if saved else ''}"
+        out = stats["worker_graphs_started"] - stats["worker_graphs_compiled"] - len(stats["worker_failures"])
+        workers = (
+            f"; {out} graphs compiling in the workers, run uncompiled until they are back (the compile_accel "
+            "log says when each is)"
+            if out
+            else ""
+        )
+        compile_workers.stop_when_idle()  # a start that found every graph in the caches
         _say(
             f"first step done: {self.acceleration.compile_times().summary()}; {stats['unique_graphs']} "
-            f"graphs, {stats['recompiles']} recompiles, {len(stats['fallbacks'])} fallbacks{chose}{cache}"
+            f"graphs, {stats['recompiles']} recompiles, {len(stats['fallbacks'])} fallbacks{chose}{cache}{workers}"
         )
 
     def report(self) -> None:

@@ -114,8 +114,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         # the same gradients either way.
         acceleration = compile_accel.apply(model, CompileConfig(**CONFIG, compile_workers=WORKERS))
         assert compile_workers._pool is not None, "apply() did not start the workers"
-        gate = _GatedPool(compile_workers._pool)
-        patch.setattr(compile_workers, "_pool", gate)
+        # Set, not patched: the pool stops itself (and clears this) once every graph is back.
+        gate = compile_workers._pool = _GatedPool(compile_workers._pool)
 
         record: dict[str, Any] = {"loss": [], "grads": [], "cache_dir": cache_dir}
         # Counters outlive dynamo's reset: this module's are the difference (read anew: torch
@@ -137,6 +137,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         gate.open()
         record["still_compiling"] = compile_workers.wait()
         record["pending_after_wait"] = compile_workers.pending()
+        record["running_after_wait"] = compile_workers.running()
         train(2)  # the step that switches to the workers' graphs, then one on them
         record["pending_after_switch"] = compile_workers.pending()
         record["after"] = acceleration.stats()
@@ -158,6 +159,8 @@ def test_training_with_workers_matches_eager_before_and_after_the_compiled_graph
     assert trained["still_compiling"] == before["worker_graphs_started"]
     # Back from the workers, but switched to only at their next call.
     assert trained["pending_after_wait"] == before["worker_graphs_started"]
+    # Every graph back: the pool (and the GPU memory its workers hold) is gone.
+    assert trained["running_after_wait"] is False
     assert trained["pending_after_switch"] == 0
     # After the wait and one more step every graph is the workers' compiled one.
     assert after["worker_graphs_started"] == before["worker_graphs_started"]
@@ -227,6 +230,66 @@ def test_a_restart_loads_the_graphs_the_workers_compiled_from_inductors_cache(tr
     assert restart["pending"] == 0
     # What the cache gave back computes what eager does.
     assert restart["loss"] < TOLERANCE and restart["grads"] < TOLERANCE, restart
+
+
+class _FakePool:
+    """SubprocPool's part that compile_workers uses, its futures finished by hand."""
+
+    made: list[_FakePool] = []
+
+    def __init__(self, count: int, kind: Any) -> None:
+        self.count, self.futures, self.shut_down = count, [], threading.Event()
+        self.threads = os.environ["TORCHINDUCTOR_COMPILE_THREADS"]
+        _FakePool.made.append(self)
+
+    def submit(self, *args: Any) -> concurrent.futures.Future:
+        self.futures.append(concurrent.futures.Future())
+        return self.futures[-1]
+
+    def shutdown(self) -> None:
+        self.shut_down.set()
+
+
+@pytest.fixture
+def fake_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """compile_workers with no pool yet, whose pools are _FakePools."""
+    from torch._inductor.compile_worker import subproc_pool
+
+    monkeypatch.setattr(subproc_pool, "SubprocPool", _FakePool)
+    monkeypatch.setattr(_FakePool, "made", [])
+    for name, value in (("_count", 0), ("_pool", None), ("_out", [])):
+        monkeypatch.setattr(compile_workers, name, value)
+
+
+@pytest.mark.usefixtures("fake_pool")
+def test_the_pool_stops_once_every_graph_is_back_and_starts_again_for_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: 12)
+    threads_here = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")
+    compile_workers.start(3)
+    compile_workers.start(5)  # a later count is ignored
+    (pool,) = _FakePool.made
+    assert (pool.count, pool.threads) == (3, "4")  # each worker's share of the 12 cores
+    assert os.environ.get("TORCHINDUCTOR_COMPILE_THREADS") == threads_here  # set for the workers only
+    first, second = compile_workers._submit("graph 0"), compile_workers._submit("graph 1")
+    first.set_result("compiled")
+    assert compile_workers.running() and not pool.shut_down.is_set()  # one graph still out
+    second.set_exception(RuntimeError("inductor raised"))  # a failed graph is back too
+    assert pool.shut_down.wait(10) and not compile_workers.running()
+    # A graph after that (new input shapes) starts a new pool of the same size.
+    third = compile_workers._submit("graph 2")
+    assert len(_FakePool.made) == 2 and _FakePool.made[1].count == 3 and compile_workers.running()
+    third.set_result("compiled")
+    assert _FakePool.made[1].shut_down.wait(10) and not compile_workers.running()
+
+
+@pytest.mark.usefixtures("fake_pool")
+def test_a_pool_that_got_no_graph_stops_when_asked() -> None:
+    """A warm start: every graph came from the caches; the launcher and the bench stop the idle
+    pool after the first step."""
+    compile_workers.start(2)
+    assert compile_workers.running()
+    compile_workers.stop_when_idle()
+    assert _FakePool.made[0].shut_down.wait(10) and not compile_workers.running()
 
 
 class _WorkerError(RuntimeError):

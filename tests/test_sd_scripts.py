@@ -24,7 +24,7 @@ import torch
 from conftest import as_close_as_eager, relative_error
 
 import compile_accel
-from compile_accel import CompileConfig
+from compile_accel import CompileConfig, compile_workers
 from compile_accel.compile_cache import RunCompileCache
 from compile_accel.dynamo_settings import HAS_CACHE_ARTIFACTS
 from compile_accel.integrations import sd_scripts as accel
@@ -193,11 +193,29 @@ def test_bad_budget_is_an_argparse_error(value: str) -> None:
         (["--selective_torch_compile", "--activation_memory_budget", "0.3"], {}, "choose one"),
         (["--activation_memory_budget", "0.3"], {"deepspeed": True}, "does not support --deepspeed"),
         (["--compile_dynamic", "true"], {}, "need --selective_torch_compile or --activation_memory_budget"),
+        (["--compile_workers", "4"], {}, "need --selective_torch_compile or --activation_memory_budget"),
     ],
 )
 def test_combinations_that_cannot_work_are_refused(argv: list[str], flags: dict, message: str) -> None:
     with pytest.raises(accel.LaunchError, match=message):
         accel.config_from_args(_parse(*argv, **flags))
+
+
+def test_compile_workers_become_the_compile_config_where_torch_has_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert accel.config_from_args(_parse("--selective_torch_compile")).compile_workers == 0
+    monkeypatch.setattr(compile_workers, "SUPPORTED", True)
+    config = accel.config_from_args(_parse("--activation_memory_budget", "0.5", "--compile_workers", "4"))
+    assert (config.mode, config.compile_workers) == ("blocks", 4)
+    monkeypatch.setattr(compile_workers, "SUPPORTED", False)  # Windows, or a torch before 2.8
+    with pytest.raises(accel.LaunchError, match="--compile_workers needs torch's out-of-process compile"):
+        accel.config_from_args(_parse("--selective_torch_compile", "--compile_workers", "4"))
+    assert accel.config_from_args(_parse("--selective_torch_compile")).compile_workers == 0
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two"])
+def test_bad_compile_workers_is_an_argparse_error(value: str) -> None:
+    with pytest.raises(SystemExit):
+        _parse("--selective_torch_compile", "--compile_workers", value)
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "lots"])
@@ -313,6 +331,19 @@ def test_the_first_step_reports_compile_time_once(capsys: pytest.CaptureFixture)
         "compile_accel: first step done: 0.0 s compiling (nothing); no inductor graph looked up; "
         "0 graphs, 0 recompiles, 0 fallbacks"
     ]
+
+
+def test_the_first_step_says_how_many_graphs_are_still_compiling_in_the_workers(capsys: pytest.CaptureFixture) -> None:
+    model = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+    launch = accel.Launch()
+    launch.acceleration = compile_accel.apply(model, CompileConfig(mode="off"), blocks=[model])
+    stats = launch.acceleration._stats
+    stats.worker_graphs_started, stats.worker_graphs_compiled, stats.worker_failures = 5, 1, ["graph 0/1: failed"]
+    launch.first_step_done()
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "first step done" in line]
+    assert line.endswith(
+        "; 3 graphs compiling in the workers, run uncompiled until they are back (the compile_accel log says when each is)"
+    )
 
 
 def test_no_compiler_stops_a_budget_and_lets_selective_train_eager() -> None:
