@@ -204,6 +204,24 @@ def _cache_env() -> dict[str, str]:
     return {name: os.environ[name] for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR") if name in os.environ}
 
 
+def _keep_traced_output_strides(gm: torch.fx.GraphModule) -> None:
+    """Make inductor give every tensor output of a forward graph the strides it was traced with.
+
+    In process, inductor compiles a forward graph first and AOTAutograd compiles its backward
+    for the strides inductor chose for the saved activations (which it may lay out differently:
+    a convolution's output channels-last, say). Here both compile at the same time, so the
+    backward is compiled for the traced strides, and the forward must produce them: every
+    output is treated as one the user sees, whose strides inductor keeps. (Without it, sd-scripts'
+    SDXL at budget 0.1 on an H100 failed the backward's input stride check.)"""
+    output = gm.graph.find_nodes(op="output")[0]
+    outputs = output.args[0] if isinstance(output.args[0], (list, tuple)) else output.args
+    output.meta["user_visible_output_idxs"] = [
+        index
+        for index, node in enumerate(outputs)
+        if isinstance(node, torch.fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
+    ]
+
+
 def _builtin_op(name: str) -> bool:
     return name.startswith(("torch.ops.aten.", "torch.ops.prims.", "torch.ops.fbgemm."))
 
@@ -223,7 +241,10 @@ def compiling_in_workers(stats: Stats, label: str) -> Iterator[None]:
 
     def codegen_in_worker(gm: Any, example_inputs: Any, inputs_to_check: Any, *args: Any, **graph_kwargs: Any) -> Any:
         kwargs = {k: v for k, v in graph_kwargs.items() if k != "compile_region_name"}
-        name = f"{label} ({'backward' if graph_kwargs.get('is_backward') else 'forward'})"
+        is_backward = graph_kwargs.get("is_backward")
+        name = f"{label} ({'backward' if is_backward else 'forward'})"
+        if not is_backward:
+            _keep_traced_output_strides(gm)
         scheme = _SubprocessFxCompile()
         serialized = scheme.serialize_compile(gm, example_inputs, inputs_to_check, kwargs)
         if serialized is None:  # torch logged why (a graph it cannot pickle)
@@ -238,7 +259,7 @@ def compiling_in_workers(stats: Stats, label: str) -> Iterator[None]:
             return output.graph
 
         # Uncompiled, a cuDNN attention backward needs the gradient in the output's layout.
-        uncompiled = cudnn_attention_gradients_laid_out(gm) if graph_kwargs.get("is_backward") else gm
+        uncompiled = cudnn_attention_gradients_laid_out(gm) if is_backward else gm
         stats.worker_graphs_started += 1
         return WorkerCompiledGraph(make_boxed_func(uncompiled.forward), future, unpack, stats, name)
 

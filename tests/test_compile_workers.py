@@ -292,6 +292,61 @@ def test_a_pool_that_got_no_graph_stops_when_asked() -> None:
     assert _FakePool.made[0].shut_down.wait(10) and not compile_workers.running()
 
 
+class _ConvBlock(nn.Module):
+    """A U-Net-like residual block: on the CPU (mkldnn) inductor lays its convolutions out
+    channels-last, saved activations included, as it does on CUDA."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.norm = nn.GroupNorm(2, channels)
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv2(torch.nn.functional.silu(self.conv1(torch.nn.functional.silu(self.norm(x)))))
+
+
+class _ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_ConvBlock(8) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_graphs_whose_saved_activations_inductor_lays_out_anew_train_as_eager_once_compiled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Forward and backward compile at the same time in the workers: the forward must hand the
+    backward its saved activations in the strides the backward was compiled for."""
+    from torch._inductor.utils import clear_caches
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # graphs compiled, not loaded
+    clear_caches()
+    torch._dynamo.reset()
+    model, eager = _ConvNet(), _ConvNet()
+    eager.load_state_dict(model.state_dict())
+    acceleration = compile_accel.apply(
+        model, CompileConfig(mode="blocks", activation_memory_budget=0.5, compile_workers=WORKERS), blocks=[model.blocks]
+    )
+    errors = []
+    for step in range(3):  # handed to the workers; then the switch; then compiled forward and backward
+        x = torch.randn(2, 8, 12, 12)
+        grads = [torch.autograd.grad(net(x).square().mean(), list(net.parameters())) for net in (model, eager)]
+        errors.append(max(relative_error(g, e) for g, e in zip(*grads, strict=True)))
+        if step == 0:
+            assert compile_workers.wait() > 0
+    stats = acceleration.stats()
+    assert stats["worker_graphs_compiled"] == stats["worker_graphs_started"] > 0
+    assert stats["worker_failures"] == [] and stats["fallbacks"] == []
+    assert max(errors) < TOLERANCE, errors
+    torch._dynamo.reset()
+    clear_caches()
+
+
 class _WorkerError(RuntimeError):
     pass
 
