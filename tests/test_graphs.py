@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from conftest import build, inputs_for, lora_step
+from conftest import ONE_BLOCK_CLASS, build, inputs_for, lora_step
 
 import compile_accel
 from compile_accel import CompileConfig
@@ -79,12 +79,13 @@ def test_reentrant_selective_compiles_nothing_after_first_step() -> None:
 
 
 def test_dynamic_true_shares_one_graph_across_token_counts() -> None:
-    """Aspect-ratio buckets: with dynamic=True new token counts reuse the graph."""
-    model, params = build("kohya", None)
+    """Aspect-ratio buckets: with dynamic=True new token counts reuse the graph (one block class:
+    dynamic graphs are the slowest to compile on the CPU)."""
+    model, params = build("kohya", None, **ONE_BLOCK_CLASS)
     acceleration = compile_accel.apply(model, CompileConfig(mode="blocks", activation_memory_budget=1.0, dynamic=True))
     lora_step(model, params, inputs_for(model, res=16))
     graphs = acceleration.stats()["unique_graphs"]
-    for res in (12, 20, 24):
+    for res in (12, 24):
         lora_step(model, params, inputs_for(model, res=res))
     assert acceleration.stats()["unique_graphs"] == graphs
     assert acceleration.stats()["recompiles"] == 0

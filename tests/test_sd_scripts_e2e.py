@@ -2,8 +2,9 @@
 
 flux_train_network.py, sdxl_train_network.py, sd3_train_network.py and lumina_train_network.py
 each train 3 LoRA steps on small random checkpoints (tests/sd_scripts_small_<model>.py shrinks
-the model factories in the training process and writes the workspace), three ways: plain,
-SDSCRIPTS_SELECTIVE_TORCH_COMPILE=1, and --activation_memory_budget 0.5. A compiled run must
+the model factories in the training process and writes the workspace), four ways: plain,
+SDSCRIPTS_SELECTIVE_TORCH_COMPILE=1, --activation_memory_budget 0.5, and that with
+--compile_workers 2. A compiled run must
 save the LoRA keys, shapes and dtypes of the plain run, see the plain run's loss at every step
 (same seed), and compile every region it made. Needs $SD_SCRIPTS_DIR (a checkout of sd-scripts'
 sd3 branch, with its requirements installed: .ci/e2e builds that environment); skipped without.
@@ -37,6 +38,9 @@ MODES: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
     "plain": ({}, ()),
     "selective": ({"SDSCRIPTS_SELECTIVE_TORCH_COMPILE": "1"}, ()),
     "budget": ({}, ("--activation_memory_budget", "0.5")),
+    # Inductor's code generation in 2 worker processes; the steps run graphs not back yet uncompiled.
+    # No cache: graphs another run compiled would load from it and never reach the workers.
+    "workers": ({}, ("--activation_memory_budget", "0.5", "--compile_workers", "2", "--no_compile_cache")),
 }
 # Every trainer: LoRA on the DiT/U-Net only (the text encoders' outputs are cached), fp32 on the
 # CPU, one batch of both images a step, 3 steps.
@@ -129,6 +133,8 @@ def _train(sd_scripts: Path, harness: ModuleType, paths: dict[str, Path], mode: 
     command = [sys.executable, harness.__file__, "--record", str(out), "--sd-scripts", str(sd_scripts)]
     # One thread a process: runs share the cores, and OpenMP threads that wait for a busy core
     # spin (steps of a fraction of a second took seconds with more threads than cores).
+    if mode == "workers":  # an inductor cache of its own, for the reason above
+        env = {**env, "TORCHINDUCTOR_CACHE_DIR": str(out / "inductor")}
     env = environment(sd_scripts, paths["hub"], OMP_NUM_THREADS="1", **env)
     start = time.perf_counter()
     with (out / "log").open("w") as log:
@@ -170,7 +176,7 @@ def test_plain_run_trains_without_compile_accel(runs: Runs, trainer: str) -> Non
     assert run.stats is None and "compile_accel:" not in run.log
 
 
-@pytest.mark.parametrize("mode", ["selective", "budget"])
+@pytest.mark.parametrize("mode", ["selective", "budget", "workers"])
 @pytest.mark.parametrize("trainer", TRAINERS)
 def test_compiled_run_trains_as_plain(runs: Runs, trainer: str, mode: str) -> None:
     """The plain run's LoRA file layout and, within tolerances, its loss at every step and its
@@ -190,6 +196,9 @@ def test_compiled_run_trains_as_plain(runs: Runs, trainer: str, mode: str) -> No
     assert stats is not None and stats["mode"] == ("selective" if mode == "selective" else "blocks")
     assert stats["compiled_regions"] == stats["regions"] > 0 and stats["uncalled_regions"] == [], stats
     assert (stats["recompiles"], stats["graph_breaks"], stats["fallbacks"]) == (0, 0, []), stats
+    # With workers every graph went to them (back or not by the end of these 3 steps), none failed.
+    assert stats["worker_failures"] == [], stats
+    assert (stats["worker_graphs_started"] > 0) == (mode == "workers"), stats
     # What a user sees: the regions made, the exit report, and no warning of regions never called.
     assert REGIONS.findall(run.log) == [str(stats["regions"])], run.log[-5000:]
     assert SUMMARY.findall(run.log) == [(str(stats["compiled_regions"]), "0", "0", "[]")], run.log[-5000:]
