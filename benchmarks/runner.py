@@ -289,7 +289,7 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
     synchronize(gpus)
     first = time.perf_counter() - start
     workers = _await_compile_workers(step, gpus, start) if compile_workers.pending() else None
-    compile_workers.stop_when_idle()  # a start that found every graph in the caches
+    compile_workers.first_step_done()  # the pool stops once its graphs are back
     for _ in range(settings.warmup):
         step()
     synchronize(gpus)

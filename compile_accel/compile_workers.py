@@ -19,10 +19,11 @@ in a worker is saved when it arrives (with the cache key and guards of its compi
 restart loads it as it loads one compiled in process. A restart before it arrived compiles it
 again. torch's subprocess pool passes file descriptors to its children: not on Windows.
 
-GPU memory: a worker that compiled a graph holds a CUDA context of its own (inductor loads the
-kernels it generated; ~520 MiB each on an H100, torch 2.11), outside the training process's
-memory. The pool is shut down as soon as every graph handed to it is back, which frees that
-memory; a later graph (new input shapes) starts a new pool.
+GPU memory: a worker that compiled a graph holds a CUDA context of its own (~520 MiB each on an
+H100, torch 2.11: its fake CUDA tensors and the kernels it loads), outside the training
+process's memory. The pool stops once every graph handed to it is back and the first step is
+done (`first_step_done`), which frees that memory; a later graph (new input shapes) starts a
+new pool.
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ _count = 0  # the pool's size, from the first apply() that asked for workers
 _pool: Any = None  # running while graphs handed to it are out (start, _submit)
 _out: list[concurrent.futures.Future] = []  # the running pool's graphs not yet back
 _unswitched: list[WorkerCompiledGraph] = []  # handed to the workers, not yet running compiled
+_first_step_done = False  # set by first_step_done(): from then on an idle pool stops at once
+# Before that, an idle pool waits this long for more graphs: a first step hands its graphs over
+# in waves (sd-scripts' SDXL: 40 s apart on an H100, as dynamo and AOTAutograd reach the next
+# blocks, or the backward's), and a new pool takes seconds to start.
+IDLE_SECONDS_BEFORE_FIRST_STEP_DONE = 60.0
 
 
 def start(count: int) -> None:
@@ -94,13 +100,29 @@ def _submit(*args: Any) -> concurrent.futures.Future:
     with _lock:
         future = _running_pool().submit(*args)
         _out.append(future)
-    future.add_done_callback(lambda _: stop_when_idle())
+    future.add_done_callback(_back)
     return future
 
 
-def stop_when_idle() -> None:
-    """Shut the pool down if no graph handed to it is out (called as each comes back, by `wait`,
-    and after a first step that found every graph in the caches)."""
+def _back(_: concurrent.futures.Future) -> None:
+    if _first_step_done:
+        _stop_if_idle()
+    else:
+        timer = threading.Timer(IDLE_SECONDS_BEFORE_FIRST_STEP_DONE, _stop_if_idle)
+        timer.daemon = True
+        timer.start()
+
+
+def first_step_done() -> None:
+    """Say that the training's first step is done (the launcher and the bench do): the pool stops
+    now if no graph is out, else as soon as the last one is back, freeing the GPU memory its
+    workers hold. A graph after that (new input shapes) starts a new pool."""
+    global _first_step_done
+    _first_step_done = True
+    _stop_if_idle()
+
+
+def _stop_if_idle() -> None:
     global _pool
     with _lock:
         _out[:] = [future for future in _out if not future.done()]
@@ -135,7 +157,6 @@ def wait() -> int:
     with _lock:
         futures = [graph.future for graph in _unswitched if graph.future is not None]
     concurrent.futures.wait(futures)
-    stop_when_idle()  # now, not when the futures' callbacks get to it
     return waiting
 
 

@@ -493,7 +493,7 @@ class Launch:
             if out
             else ""
         )
-        compile_workers.stop_when_idle()  # a start that found every graph in the caches
+        compile_workers.first_step_done()  # the pool stops once its graphs are back
         _say(
             f"first step done: {self.acceleration.compile_times().summary()}; {stats['unique_graphs']} "
             f"graphs, {stats['recompiles']} recompiles, {len(stats['fallbacks'])} fallbacks{chose}{cache}{workers}"

@@ -112,6 +112,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         eager, eager_params = build("kohya", "non-reentrant", **ONE_BLOCK_CLASS)
         # The eager twin keeps its checkpointing (the accelerated one has it switched off):
         # the same gradients either way.
+        patch.setattr(compile_workers, "_first_step_done", False)
         acceleration = compile_accel.apply(model, CompileConfig(**CONFIG, compile_workers=WORKERS))
         assert compile_workers._pool is not None, "apply() did not start the workers"
         # Set, not patched: the pool stops itself (and clears this) once every graph is back.
@@ -137,7 +138,9 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         gate.open()
         record["still_compiling"] = compile_workers.wait()
         record["pending_after_wait"] = compile_workers.pending()
-        record["running_after_wait"] = compile_workers.running()
+        record["running_after_wait"] = compile_workers.running()  # the first step is not done yet
+        compile_workers.first_step_done()
+        record["running_after_first_step"] = compile_workers.running()
         train(2)  # the step that switches to the workers' graphs, then one on them
         record["pending_after_switch"] = compile_workers.pending()
         record["after"] = acceleration.stats()
@@ -159,8 +162,10 @@ def test_training_with_workers_matches_eager_before_and_after_the_compiled_graph
     assert trained["still_compiling"] == before["worker_graphs_started"]
     # Back from the workers, but switched to only at their next call.
     assert trained["pending_after_wait"] == before["worker_graphs_started"]
-    # Every graph back: the pool (and the GPU memory its workers hold) is gone.
-    assert trained["running_after_wait"] is False
+    # Every graph back: the pool waits for more until the first step is done, then it (and the
+    # GPU memory its workers hold) is gone.
+    assert trained["running_after_wait"] is True
+    assert trained["running_after_first_step"] is False
     assert trained["pending_after_switch"] == 0
     # After the wait and one more step every graph is the workers' compiled one.
     assert after["worker_graphs_started"] == before["worker_graphs_started"]
@@ -257,12 +262,13 @@ def fake_pool(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(subproc_pool, "SubprocPool", _FakePool)
     monkeypatch.setattr(_FakePool, "made", [])
-    for name, value in (("_count", 0), ("_pool", None), ("_out", [])):
+    for name, value in (("_count", 0), ("_pool", None), ("_out", []), ("_first_step_done", False)):
         monkeypatch.setattr(compile_workers, name, value)
+    monkeypatch.setattr(compile_workers, "IDLE_SECONDS_BEFORE_FIRST_STEP_DONE", 0.2)
 
 
 @pytest.mark.usefixtures("fake_pool")
-def test_the_pool_stops_once_every_graph_is_back_and_starts_again_for_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_before_the_first_step_is_done_an_idle_pool_waits_for_more_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "cpu_count", lambda: 12)
     threads_here = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")
     compile_workers.start(3)
@@ -270,25 +276,38 @@ def test_the_pool_stops_once_every_graph_is_back_and_starts_again_for_the_next(m
     (pool,) = _FakePool.made
     assert (pool.count, pool.threads) == (3, "4")  # each worker's share of the 12 cores
     assert os.environ.get("TORCHINDUCTOR_COMPILE_THREADS") == threads_here  # set for the workers only
-    first, second = compile_workers._submit("graph 0"), compile_workers._submit("graph 1")
+    first = compile_workers._submit("graph 0")
     first.set_result("compiled")
-    assert compile_workers.running() and not pool.shut_down.is_set()  # one graph still out
+    second = compile_workers._submit("graph 1")  # the next wave, before the idle time ran out
+    assert not pool.shut_down.wait(0.5) and compile_workers.running()  # one graph still out
     second.set_exception(RuntimeError("inductor raised"))  # a failed graph is back too
+    assert pool.shut_down.wait(10) and not compile_workers.running()  # idle for 0.2 s: stopped
+    assert len(_FakePool.made) == 1  # the second graph went to the same pool
+
+
+@pytest.mark.usefixtures("fake_pool")
+def test_after_the_first_step_the_pool_stops_once_every_graph_is_back_and_starts_again_for_the_next() -> None:
+    compile_workers.start(3)
+    first = compile_workers._submit("graph 0")
+    compile_workers.first_step_done()
+    (pool,) = _FakePool.made
+    assert compile_workers.running() and not pool.shut_down.is_set()  # a graph is out
+    first.set_result("compiled")
     assert pool.shut_down.wait(10) and not compile_workers.running()
-    # A graph after that (new input shapes) starts a new pool of the same size.
-    third = compile_workers._submit("graph 2")
+    # A graph after that (new input shapes) starts a new pool of the same size, which stops
+    # as soon as that graph is back.
+    second = compile_workers._submit("graph 1")
     assert len(_FakePool.made) == 2 and _FakePool.made[1].count == 3 and compile_workers.running()
-    third.set_result("compiled")
+    second.set_result("compiled")
     assert _FakePool.made[1].shut_down.wait(10) and not compile_workers.running()
 
 
 @pytest.mark.usefixtures("fake_pool")
-def test_a_pool_that_got_no_graph_stops_when_asked() -> None:
-    """A warm start: every graph came from the caches; the launcher and the bench stop the idle
-    pool after the first step."""
+def test_a_pool_that_got_no_graph_stops_when_the_first_step_is_done() -> None:
+    """A warm start: every graph came from the caches."""
     compile_workers.start(2)
     assert compile_workers.running()
-    compile_workers.stop_when_idle()
+    compile_workers.first_step_done()
     assert _FakePool.made[0].shut_down.wait(10) and not compile_workers.running()
 
 
