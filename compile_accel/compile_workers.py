@@ -41,6 +41,7 @@ from typing import Any, Callable
 from unittest import mock
 
 import torch
+import torch._inductor.config
 from torch._functorch.aot_autograd import make_boxed_func
 
 from .saved_bytes import cudnn_attention_gradients_laid_out
@@ -316,5 +317,16 @@ def compiling_in_workers(stats: Stats, label: str) -> Iterator[None]:
         mock.patch.object(GraphPickler, "dumps", dumps_builtin_ops),
         mock.patch.object(compile_fx, "fx_codegen_and_compile", codegen_in_worker),
         mock.patch.object(FxGraphCache, "_save_graph", save_when_compiled),
+        torch._inductor.config.patch(WORKER_INDUCTOR_SETTINGS),  # around the cache key too
     ):
         yield
+
+
+# Inductor settings of every graph compiled in a worker. Its "mix-order reductions" (a norm's
+# backward: two reductions over different dimensions in one kernel) read a part of inductor's
+# state that torch's subprocess compile does not carry over (torch 2.11 on an H100: every
+# backward graph of sd-scripts' SD3 failed with "Attempt to use poisoned virtualized value
+# 'interpreter'" and ran uncompiled), so they are off there.
+WORKER_INDUCTOR_SETTINGS = (
+    {"triton.mix_order_reduction": False} if hasattr(torch._inductor.config.triton, "mix_order_reduction") else {}
+)

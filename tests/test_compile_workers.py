@@ -366,6 +366,20 @@ def test_graphs_whose_saved_activations_inductor_lays_out_anew_train_as_eager_on
     clear_caches()
 
 
+def test_inductor_settings_a_worker_cannot_compile_are_off_only_while_compiling_there() -> None:
+    import torch._inductor.config as inductor_config
+
+    def setting(name: str) -> Any:
+        section, _, field = name.rpartition(".")
+        return getattr(getattr(inductor_config, section) if section else inductor_config, field)
+
+    assert compile_workers.WORKER_INDUCTOR_SETTINGS == {"triton.mix_order_reduction": False}  # this torch has it
+    before = {name: setting(name) for name in compile_workers.WORKER_INDUCTOR_SETTINGS}
+    with compile_workers.compiling_in_workers(Stats(), "graph 0/0"):
+        assert {name: setting(name) for name in before} == compile_workers.WORKER_INDUCTOR_SETTINGS
+    assert {name: setting(name) for name in before} == before
+
+
 class _WorkerError(RuntimeError):
     pass
 
