@@ -22,8 +22,8 @@ again. torch's subprocess pool passes file descriptors to its children: not on W
 GPU memory: a worker that compiled a graph holds a CUDA context of its own (~520 MiB each on an
 H100, torch 2.11: its fake CUDA tensors and the kernels it loads), outside the training
 process's memory. The pool stops once every graph handed to it is back and the first step is
-done (`first_step_done`), which frees that memory; a later graph (new input shapes) starts a
-new pool.
+done (`first_step_done`; before that, after 60 s without a graph), which frees that memory; a
+later graph (new input shapes) starts a new pool.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any, Callable
 from unittest import mock
@@ -58,15 +59,18 @@ logger = logging.getLogger("compile_accel")
 
 SUPPORTED = _SubprocessFxCompile is not None and sys.platform != "win32"
 
+# Never taken on the pool's reader thread: it runs the futures' callbacks while holding the
+# pool's own lock, which submit() takes.
 _lock = threading.Lock()
 _count = 0  # the pool's size, from the first apply() that asked for workers
-_pool: Any = None  # running while graphs handed to it are out (start, _submit)
+_pool: Any = None  # up from start() or the first graph handed over until idle (_stop_if_idle)
 _out: list[concurrent.futures.Future] = []  # the running pool's graphs not yet back
 _unswitched: list[WorkerCompiledGraph] = []  # handed to the workers, not yet running compiled
-_first_step_done = False  # set by first_step_done(): from then on an idle pool stops at once
-# Before that, an idle pool waits this long for more graphs: a first step hands its graphs over
-# in waves (sd-scripts' SDXL: 40 s apart on an H100, as dynamo and AOTAutograd reach the next
-# blocks, or the backward's), and a new pool takes seconds to start.
+_first_step_done = False  # set by first_step_done(), for the rest of the process
+_last_back = 0.0  # time.monotonic() when a graph last came back
+# Until the first step is done, an idle pool waits this long for more graphs: a first step hands
+# its graphs over in waves (sd-scripts' SDXL: 40 s apart on an H100, as dynamo and AOTAutograd
+# reach the next blocks, or the backward's), and a new pool takes seconds to start.
 IDLE_SECONDS_BEFORE_FIRST_STEP_DONE = 60.0
 
 
@@ -83,6 +87,9 @@ def start(count: int) -> None:
 def _running_pool() -> Any:
     # Called with _lock held.
     global _pool
+    if _pool is not None and not getattr(_pool, "running", True):  # its workers exited
+        atexit.unregister(_pool.shutdown)
+        _pool = None
     if _pool is None:
         from torch._inductor.compile_worker.subproc_pool import SubprocKind, SubprocPool
 
@@ -106,12 +113,13 @@ def _submit(*args: Any) -> concurrent.futures.Future:
 
 
 def _back(_: concurrent.futures.Future) -> None:
-    if _first_step_done:
-        _stop_if_idle()
-    else:
-        timer = threading.Timer(IDLE_SECONDS_BEFORE_FIRST_STEP_DONE, _stop_if_idle)
-        timer.daemon = True
-        timer.start()
+    # On the pool's reader thread, so no _lock here: the idle check runs on a timer's thread.
+    global _last_back
+    _last_back = time.monotonic()
+    idle_seconds = 0.0 if _first_step_done else IDLE_SECONDS_BEFORE_FIRST_STEP_DONE
+    timer = threading.Timer(idle_seconds, _stop_if_idle, args=(_pool, idle_seconds))
+    timer.daemon = True
+    timer.start()
 
 
 def first_step_done() -> None:
@@ -120,25 +128,28 @@ def first_step_done() -> None:
     workers hold. A graph after that (new input shapes) starts a new pool."""
     global _first_step_done
     _first_step_done = True
-    _stop_if_idle()
+    _stop_if_idle(_pool, 0.0)
 
 
-def _stop_if_idle() -> None:
+def _stop_if_idle(pool: Any, idle_seconds: float) -> None:
+    """Shut `pool` down if it is still the pool, no graph is out in it, and none came back in the
+    last `idle_seconds` (a later graph's own timer checks again)."""
     global _pool
     with _lock:
         _out[:] = [future for future in _out if not future.done()]
-        if _out or _pool is None:
+        # (A timer may fire a hair early: 10 ms of slack.)
+        if pool is None or pool is not _pool or _out or time.monotonic() - _last_back < idle_seconds - 0.01:
             return
-        pool, _pool = _pool, None
+        _pool = None
     atexit.unregister(pool.shutdown)
-    # Not in this thread: it can be the pool's own reader thread (a future's callback), which
-    # shutdown() joins.
+    # In a thread of its own: shutdown() joins the pool's reader thread.
     threading.Thread(target=pool.shutdown, name="compile_accel-workers-shutdown", daemon=True).start()
     logger.info("no graph is out in the compile workers: workers stopped, their GPU memory freed")
 
 
 def running() -> bool:
-    """Whether the worker pool is up (started, and graphs handed to it are out or none yet was)."""
+    """Whether the worker pool is up: from `start` or the first graph handed over until no graph
+    is out and the first step is done (before that, after 60 s without one)."""
     with _lock:
         return _pool is not None
 
@@ -273,7 +284,11 @@ def compiling_in_workers(stats: Stats, label: str) -> Iterator[None]:
             warn(f"{name} could not be handed to a compile worker (torch logged why); it compiles in this process")
             return codegen_here(gm, example_inputs, inputs_to_check, *args, **graph_kwargs)
         pickled, constants = serialized
-        future = _submit(_SubprocessFxCompile._run_in_child_subprocess, pickled, _cache_env())
+        try:
+            future = _submit(_SubprocessFxCompile._run_in_child_subprocess, pickled, _cache_env())
+        except Exception as error:  # no pool could start, or it closed under us
+            warn(f"{name} could not be handed to a compile worker ({error}); it compiles in this process")
+            return codegen_here(gm, example_inputs, inputs_to_check, *args, **graph_kwargs)
 
         def unpack(pickled_output: Any) -> Any:
             output = pickled_output.deserialize(constants)
@@ -322,11 +337,12 @@ def compiling_in_workers(stats: Stats, label: str) -> Iterator[None]:
         yield
 
 
-# Inductor settings of every graph compiled in a worker. Its "mix-order reductions" (a norm's
+# Inductor settings of every graph compiled with workers (also of one that compiles in process
+# after all: its cache key was made with them). Inductor's "mix-order reductions" (a norm's
 # backward: two reductions over different dimensions in one kernel) read a part of inductor's
 # state that torch's subprocess compile does not carry over (torch 2.11 on an H100: every
 # backward graph of sd-scripts' SD3 failed with "Attempt to use poisoned virtualized value
-# 'interpreter'" and ran uncompiled), so they are off there.
+# 'interpreter'" and ran uncompiled), so they are off.
 WORKER_INDUCTOR_SETTINGS = (
     {"triton.mix_order_reduction": False} if hasattr(torch._inductor.config.triton, "mix_order_reduction") else {}
 )

@@ -486,11 +486,11 @@ class Launch:
             loaded = "loaded from" if self.compile_cache.loaded else "not yet in"
             saved = self.compile_cache.save()
             cache = f"; compiled graphs {loaded} {self.compile_cache.path}{', saved there' if saved else ''}"
-        out = stats["worker_graphs_started"] - stats["worker_graphs_compiled"] - len(stats["worker_failures"])
+        waiting = stats["worker_graphs_started"] - stats["worker_graphs_compiled"] - len(stats["worker_failures"])
         workers = (
-            f"; {out} graphs compiling in the workers, run uncompiled until they are back (the compile_accel "
-            "log says when each is)"
-            if out
+            f"; {waiting} graphs from the compile workers not running compiled yet (run uncompiled until then; "
+            "the compile_accel log says when each does)"
+            if waiting
             else ""
         )
         compile_workers.first_step_done()  # the pool stops once its graphs are back

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from compile_accel import compile_workers
 from compile_accel.benchmarks.lora import TINY_DIT_LORA_TARGETS, KohyaStyleLoRANetwork
 from compile_accel.benchmarks.tiny_dit import TinyDiT, TinyDiTConfig, make_inputs
 
@@ -28,6 +29,13 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(autouse=True)
+def compile_workers_first_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """compile_workers.first_step_done() marks the whole process (the launcher's tests call it);
+    each test starts with the mark as the process had it."""
+    monkeypatch.setattr(compile_workers, "_first_step_done", compile_workers._first_step_done)
 
 
 # Single-stream blocks only: one block class, whose compile is a fraction of the double-stream

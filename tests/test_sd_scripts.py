@@ -342,7 +342,8 @@ def test_the_first_step_says_how_many_graphs_are_still_compiling_in_the_workers(
     launch.first_step_done()
     (line,) = [line for line in capsys.readouterr().err.splitlines() if "first step done" in line]
     assert line.endswith(
-        "; 3 graphs compiling in the workers, run uncompiled until they are back (the compile_accel log says when each is)"
+        "; 3 graphs from the compile workers not running compiled yet (run uncompiled until then; the compile_accel "
+        "log says when each does)"
     )
 
 
