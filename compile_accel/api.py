@@ -135,10 +135,7 @@ def _check_model(model: nn.Module) -> None:
 
 def _check_backend(config: CompileConfig) -> None:
     if config.compile_workers and not compile_workers.SUPPORTED:
-        raise ValueError(
-            "CompileConfig.compile_workers needs torch's out-of-process compile (torch >= 2.8) and its "
-            "subprocess pool, which does not run on Windows; use compile_workers=0"
-        )
+        raise ValueError(f"CompileConfig.compile_workers {compile_workers.UNSUPPORTED_WHY}; use compile_workers=0")
     try:
         torch._dynamo.lookup_backend(config.backend)
     except Exception:

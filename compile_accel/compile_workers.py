@@ -58,6 +58,9 @@ except ImportError:
 logger = logging.getLogger("compile_accel")
 
 SUPPORTED = _SubprocessFxCompile is not None and sys.platform != "win32"
+UNSUPPORTED_WHY = (
+    "needs torch's out-of-process compile (torch >= 2.8) and its subprocess pool, which does not run on Windows"
+)
 
 # Never taken on the pool's reader thread: it runs the futures' callbacks while holding the
 # pool's own lock, which submit() takes.

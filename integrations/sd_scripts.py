@@ -381,8 +381,8 @@ def config_from_args(args: argparse.Namespace) -> CompileConfig | None:
         raise LaunchError(f"{asked} does not support --deepspeed (its model wrapper hides the blocks)")
     if args.compile_workers and not compile_workers.SUPPORTED:
         raise LaunchError(
-            "--compile_workers needs torch's out-of-process compile (torch >= 2.8) and its subprocess pool, "
-            f"which does not run on Windows (this is torch {torch.__version__} on {sys.platform}); drop the flag"
+            f"--compile_workers {compile_workers.UNSUPPORTED_WHY} (this is torch {torch.__version__} on "
+            f"{sys.platform}); drop the flag"
         )
     if budget is not None and not HAS_BUDGET_KNOB:
         raise LaunchError(f"--activation_memory_budget needs torch >= 2.4 (this is {torch.__version__})")

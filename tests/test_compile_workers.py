@@ -526,3 +526,15 @@ def test_bad_compile_workers_is_refused_and_changes_nothing(fields: dict, messag
     # No pool started, nothing handed to one.
     assert compile_workers._pool is pool and compile_workers.pending() == handed
 
+
+
+def test_compile_workers_where_torch_cannot_is_refused_and_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Windows, or a torch before 2.8: no subprocess compile."""
+    monkeypatch.setattr(compile_workers, "SUPPORTED", False)
+    model, _ = build("kohya", "non-reentrant", **ONE_BLOCK_CLASS)
+    pool = compile_workers._pool
+    with pytest.raises(ValueError, match=r"CompileConfig\.compile_workers needs torch's out-of-process compile .*"
+                       r"Windows; use compile_workers=0"):
+        compile_accel.apply(model, CompileConfig(**CONFIG, compile_workers=WORKERS))
+    _untouched(model)
+    assert compile_workers._pool is pool
