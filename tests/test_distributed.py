@@ -4,8 +4,12 @@ re-sharding, and devices that are not there; the two-device block split's plan."
 
 from __future__ import annotations
 
+import datetime
+import faulthandler
 import os
 import socket
+import sys
+import time
 
 import pytest
 import torch
@@ -20,6 +24,9 @@ from compile_accel.placement import balanced_split, split_blocks
 
 WORLD = 2
 TOLERANCE = 1e-5
+# Two tiny ranks take seconds; past these, a rank is stuck: it prints its stack, the test fails.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
+RANKS_TIMEOUT_S = 240
 
 
 def _free_port() -> int:
@@ -47,8 +54,11 @@ MODES = {
 def _worker(rank: int, port: int, wrapper: str, mode: str, queue) -> None:
     from test_offload import Stack
 
+    faulthandler.dump_traceback_later(RANKS_TIMEOUT_S - 30)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    if sys.platform == "linux":  # loopback only: gloo otherwise takes the address the host name resolves to
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT)
     try:
         config, checkpointing = MODES[mode]
         torch.manual_seed(0)
@@ -84,9 +94,16 @@ def _worker(rank: int, port: int, wrapper: str, mode: str, queue) -> None:
 
 @pytest.mark.parametrize("wrapper, mode", [("ddp", "blocks"), ("ddp", "selective"), ("fsdp", "blocks")])
 def test_compiled_blocks_under_data_parallel_match_one_process(wrapper: str, mode: str) -> None:
-    context = mp.get_context("spawn")
-    queue = context.SimpleQueue()
-    mp.start_processes(_worker, args=(_free_port(), wrapper, mode, queue), nprocs=WORLD, start_method="spawn")
+    queue = mp.get_context("spawn").SimpleQueue()
+    ranks = mp.start_processes(
+        _worker, args=(_free_port(), wrapper, mode, queue), nprocs=WORLD, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + RANKS_TIMEOUT_S
+    while not ranks.join(timeout=1):  # raises if a rank failed
+        if time.monotonic() > deadline:
+            for rank in ranks.processes:
+                rank.kill()
+            pytest.fail(f"the ranks did not finish in {RANKS_TIMEOUT_S} s (their stacks are in the captured stderr)")
     results = sorted(queue.get() for _ in range(WORLD))
     for rank, error, (graphs, graphs_alone), recompiles, breaks, second in results:
         assert error < TOLERANCE, (rank, error)
