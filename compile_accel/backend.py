@@ -25,7 +25,7 @@ A torch without the knob keeps the lazy compile.
 from __future__ import annotations
 
 import threading
-from contextlib import nullcontext
+import contextlib
 from typing import Any, Callable
 
 import torch
@@ -168,6 +168,16 @@ class RegionBackend:
         # Inductor's code generation in the worker processes (not for auto's traced estimate).
         self.in_workers = config.compile_workers > 0 and estimate is None
 
+    def _settings(self) -> contextlib.AbstractContextManager:
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch._functorch.config.patch(self._aot_settings))
+        stack.enter_context(torch._inductor.config.patch(self._inductor_settings))
+        return stack
+
+    def _compile_here(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        with self._settings():
+            return self.inner(gm, example_inputs)
+
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         op = _complex_op(gm)
         if op is not None:
@@ -180,17 +190,21 @@ class RegionBackend:
             self.saw_checkpoint = True
         signature = _signature(gm)
         rewrite_attention(gm)
-        workers = (
-            compile_workers.compiling_in_workers(self.stats, f"graph {torch._guards.CompileContext.current_compile_id()}")
-            if self.in_workers
-            else nullcontext()
-        )
-        with (
-            torch._functorch.config.patch(self._aot_settings),
-            torch._inductor.config.patch(self._inductor_settings),
-            workers,
-        ):
-            compiled = _flagging(self.inner(gm, example_inputs))
+        if self.in_workers:
+            with self._settings():  # in force while handing over: the worker compiles with them
+                compiled = compile_workers.compile_in_workers(
+                    gm,
+                    example_inputs,
+                    self.inner,
+                    self._compile_here,
+                    self.stats,
+                    f"graph {torch._guards.CompileContext.current_compile_id()}",
+                    # The budget replaced the block's checkpointing: until compiled, checkpoint it.
+                    checkpointed=self.budget is not None,
+                )
+        else:
+            compiled = self._compile_here(gm, example_inputs)
+        compiled = _flagging(compiled)
         # Counted once compiled: a compile that raised (or a Ctrl-C) made no graph, and the
         # retry of the same graph is no recompile.
         self.stats.record_graph(signature)

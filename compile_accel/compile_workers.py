@@ -1,23 +1,23 @@
-"""Inductor's code generation in worker processes, while the step runs the graphs uncompiled.
+"""Whole compiles in worker processes, while the step runs the graphs uncompiled.
 
-Cold, most of a first step is inductor's Python work on each graph (lowering, scheduling, code
-generation: 10-20 s per block class on an H100, benchmarks/results/h100_compile_profile/), done
-one graph after another in the training process while the step waits.
+Cold, a first step is dynamo's trace, then per graph AOTAutograd's joint trace and min-cut
+partition and inductor's code generation, all Python, one graph after another in the training
+process while the step waits (sd-scripts' SDXL: 195-294 s on an H100).
 
-With `CompileConfig.compile_workers = N`, each graph AOTAutograd hands to inductor goes to one of
-N worker processes instead, through torch's own out-of-process compile
-(torch._inductor.compile_fx_ext pickles the graph, its fake example inputs and inductor's
-settings; the worker runs inductor's `codegen_and_compile`). Dynamo's trace, AOTAutograd's joint
-trace and the min-cut partition still run here. Until its compiled graph is back, a graph runs
-as traced: its aten ops uncompiled, as torch's aot_eager backend runs them, saving what the
-partition saves. The first call after the worker is done switches to the compiled graph. So the
-first step does not wait for inductor, and the graphs of every block class, forward and
-backward, compile at the same time.
+With `CompileConfig.compile_workers = N`, the training process only traces: each graph dynamo
+hands to the region's backend goes, with fake stand-ins for its inputs, to one of N worker
+processes, which compile it as this process would (AOTAutograd and inductor, under the same
+settings) into inductor's and AOTAutograd's caches. Until it is back, the graph runs as traced,
+in eager PyTorch (under a non-reentrant checkpoint where a budget replaced the block's own
+checkpointing, so that it saves no more than the block did). At its first call after the worker
+is done, the graph is compiled here, from those caches (AOTAutograd cache hit: seconds, no
+tracing), and runs compiled from then on. So the first step does not wait for AOTAutograd or
+inductor, and the graphs of every block class compile at the same time.
 
-Caches: inductor saves a graph to its FX graph cache right after compiling it; a graph compiled
-in a worker is saved when it arrives (with the cache key and guards of its compile here), so a
-restart loads it as it loads one compiled in process. A restart before it arrived compiles it
-again. torch's subprocess pool passes file descriptors to its children: not on Windows.
+A graph already in the caches (a restart) is not handed over: it loads here as without
+workers. A graph the caches cannot hold (AOTAutograd bypasses them: torch logs why), or whose
+compile in the worker failed, compiles here at its first call after, with a warning. torch's
+subprocess pool passes file descriptors to its children: not on Windows.
 
 GPU memory: a worker that compiled a graph holds a CUDA context of its own (~520 MiB each on an
 H100, torch 2.11: its fake CUDA tensors and the kernels it loads), outside the training
@@ -31,9 +31,9 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import contextlib
-import importlib
 import logging
 import os
+import pickle
 import sys
 import threading
 import time
@@ -42,24 +42,36 @@ from typing import Any, Callable
 from unittest import mock
 
 import torch
+import torch._functorch.config
 import torch._inductor.config
-from torch._functorch.aot_autograd import make_boxed_func
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.checkpoint import checkpoint
 
-from .saved_bytes import cudnn_attention_gradients_laid_out
+from .dynamo_settings import HAS_EAGER_BACKWARD_KNOB
 from .stats import Stats, warn
 
-try:  # torch's out-of-process compile (torch >= 2.8)
-    from torch._inductor.compile_fx_subproc import _SubprocessFxCompile
-    from torch._inductor.output_code import OutputCode
+try:  # torch >= 2.8: the graph pickler (fake tensors included) and AOTAutograd's cache lookup
+    from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache, should_use_local_autograd_cache
+    from torch.fx._graph_pickler import GraphPickler
+    from torch.fx._graph_pickler import Options as PicklerOptions
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 except ImportError:
-    _SubprocessFxCompile = None
-    OutputCode = object
+    GraphPickler = None
 
 logger = logging.getLogger("compile_accel")
 
-SUPPORTED = _SubprocessFxCompile is not None and sys.platform != "win32"
+# A worker writes AOTAutograd's cache entry only once it compiled the backward too: it needs
+# AOTAutograd's knob for compiling the backward with the forward.
+SUPPORTED = (
+    GraphPickler is not None
+    and hasattr(AOTAutogradCache, "try_load")
+    and HAS_EAGER_BACKWARD_KNOB
+    and sys.platform != "win32"
+)
 UNSUPPORTED_WHY = (
-    "needs torch's out-of-process compile (torch >= 2.8) and its subprocess pool, which does not run on Windows"
+    "needs torch's graph pickler and AOTAutograd's cache (torch >= 2.8) and its subprocess pool, "
+    "which does not run on Windows"
 )
 
 # Never taken on the pool's reader thread: it runs the futures' callbacks while holding the
@@ -68,7 +80,7 @@ _lock = threading.Lock()
 _count = 0  # the pool's size, from the first apply() that asked for workers
 _pool: Any = None  # up from start() or the first graph handed over until idle (_stop_if_idle)
 _out: list[concurrent.futures.Future] = []  # the running pool's graphs not yet back
-_unswitched: list[WorkerCompiledGraph] = []  # handed to the workers, not yet running compiled
+_unswitched: list[WorkerGraph] = []  # handed to the workers, not yet running compiled
 _first_step_done = False  # set by first_step_done(), for the rest of the process
 _last_back = 0.0  # time.monotonic() when a graph last came back
 # Until the first step is done, an idle pool waits this long for more graphs: a first step hands
@@ -175,177 +187,276 @@ def wait() -> int:
     return waiting
 
 
-class WorkerCompiledGraph(OutputCode):
-    """Inductor's output for a graph compiled in a worker: runs the graph uncompiled until the
-    worker's compiled graph is back, then that. A worker's error is warned about once and the
-    graph stays uncompiled (counted in the stats' `worker_failures`)."""
+class _NotCached(Exception):
+    """AOTAutograd's cache has no entry for the graph (raised instead of compiling it)."""
+
+
+@contextlib.contextmanager
+def _only_from_cache() -> Iterator[None]:
+    """Inside: a compile whose graph AOTAutograd's cache does not hold raises _NotCached."""
+    try_load = AOTAutogradCache.try_load
+
+    def load_or_raise(*args: Any, **kwargs: Any) -> Any:
+        loaded = try_load(*args, **kwargs)
+        # (torch 2.13 returns the compiled function with AOTAutograd's config, earlier ones alone.)
+        if (loaded[0] if isinstance(loaded, tuple) else loaded) is None:
+            raise _NotCached
+        return loaded
+
+    with mock.patch.object(AOTAutogradCache, "try_load", staticmethod(load_or_raise)):
+        yield
+
+
+def _aot_cache_hits() -> int:
+    return torch._dynamo.utils.counters["aot_autograd"]["autograd_cache_hit"]
+
+
+# The state outside the graph that AOTAutograd traces it under and keys its cache on: a worker
+# compiles under the training process's.
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def _precision_flags() -> list[tuple[Any, str]]:
+    # torch >= 2.9 keys on fp32_precision (allow_tf32 sets it too); earlier ones on allow_tf32.
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    return [
+        (matmul, "fp32_precision" if hasattr(matmul, "fp32_precision") else "allow_tf32"),
+        (matmul, "allow_fp16_reduced_precision_reduction"),
+        (matmul, "allow_bf16_reduced_precision_reduction"),
+        (cudnn, "fp32_precision" if hasattr(cudnn, "fp32_precision") else "allow_tf32"),
+    ]
+
+
+def _runtime_state() -> dict[str, Any]:
+    return {
+        "grad": torch.is_grad_enabled(),
+        "autocast": {d: torch.get_autocast_dtype(d) for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)},
+        "deterministic": (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()),
+        "fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory,
+        "default_dtype": torch.get_default_dtype(),
+        "precision": [getattr(module, name) for module, name in _precision_flags()],
+    }
+
+
+@contextlib.contextmanager
+def _in_runtime_state(state: dict[str, Any]) -> Iterator[None]:
+    """In a worker: the flags set for good (each graph sets its own), grad mode and autocast
+    around the compile."""
+    torch.use_deterministic_algorithms(state["deterministic"][0], warn_only=state["deterministic"][1])
+    torch.utils.deterministic.fill_uninitialized_memory = state["fill_uninitialized_memory"]
+    torch.set_default_dtype(state["default_dtype"])
+    for (module, name), value in zip(_precision_flags(), state["precision"], strict=True):
+        if getattr(module, name) != value:  # (setting one flag can change another's reading)
+            setattr(module, name, value)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.set_grad_enabled(state["grad"]))
+        for device, dtype in state["autocast"].items():
+            stack.enter_context(torch.autocast(device, dtype=dtype))
+        yield
+
+
+# Node metadata a worker needs: the stack traces (in the generated code's comments) and which
+# inputs dynamo found static (parameters: the partitioner treats them as free to keep). The rest
+# is dropped (fake values, which the worker propagates anew, and module classes it may not import).
+_KEPT_NODE_META = ("stack_trace",)
+_STATIC_INPUT_KEY = "_dynamo_static_input_type"
+
+
+def _kept_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    kept = {key: meta[key] for key in _KEPT_NODE_META if key in meta}
+    tensor_dict = meta.get("tensor_dict") or {}
+    if _STATIC_INPUT_KEY in tensor_dict:
+        kept["tensor_dict"] = {_STATIC_INPUT_KEY: tensor_dict[_STATIC_INPUT_KEY]}
+    return kept
+
+
+def _pack_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> bytes | str:
+    """The graph, fake stand-ins for its inputs and what AOTAutograd reads of dynamo's graph
+    module, as bytes for a worker; or why it cannot go (a string)."""
+    if any(not isinstance(x, torch.Tensor) for x in example_inputs):
+        return "it has non-tensor inputs (symbolic shapes)"
+    if any(type(x) not in (torch.Tensor, torch.nn.Parameter) for x in example_inputs):
+        return "it has tensor-subclass inputs"
+    fake_mode = FakeTensorMode()  # without a shape env: static shapes, as dynamo gives AOTAutograd
+    fakes = [fake_mode.from_tensor(x, static_shapes=True) for x in example_inputs]
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    sources = [getattr(node, "_dynamo_source", None) for node in placeholders]
+    plain = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()).__dict__
+    # AOTAutograd's cache key pickles the graph module's attributes in their order.
+    attributes = {name: value for name, value in gm.__dict__.items() if name not in plain or name == "meta"}
+    order = list(gm.__dict__)
+    metas = {node: node.meta for node in gm.graph.nodes}
+    try:
+        for node in metas:
+            node.meta = _kept_meta(node.meta)
+        return GraphPickler.dumps((gm, fakes, sources, attributes, order), PicklerOptions(ops_filter=None))
+    except Exception as error:  # an op or value torch's pickler cannot take
+        return f"{type(error).__name__}: {error}"
+    finally:
+        for node, meta in metas.items():
+            node.meta = meta
+
+
+def _unpack_graph(packed: bytes) -> tuple[torch.fx.GraphModule, list[Any]]:
+    """_pack_graph's graph module, as dynamo made it for AOTAutograd's cache key, and fake inputs."""
+    inputs_mode = FakeTensorMode()
+    loaded, fakes, sources, attributes, order = GraphPickler.loads(packed, inputs_mode)
+    gm = torch.fx.GraphModule(torch.nn.Module(), loaded.graph)  # the class dynamo's has
+    gm.__dict__.update(attributes)
+    attributes = dict(gm.__dict__)
+    gm.__dict__.clear()
+    gm.__dict__.update({name: attributes.pop(name) for name in order if name in attributes})
+    gm.__dict__.update(attributes)
+    for node, source in zip(gm.graph.find_nodes(op="placeholder"), sources, strict=True):
+        node._dynamo_source = source
+    FakeTensorProp(gm, inputs_mode).propagate_dont_convert_inputs(*fakes)
+    for node in gm.graph.nodes:
+        if "val" in node.meta:
+            node.meta["example_value"] = node.meta.pop("val")  # where dynamo keeps it
+    return gm, fakes
+
+
+def _compile_packed(packed: bytes, compiler: Callable) -> Callable:
+    """Compile the packed graph, the same way in a worker and here: both make the same
+    AOTAutograd cache key, so that here it loads what the worker compiled."""
+    gm, fakes = _unpack_graph(packed)
+    # Caches need a shape env in the tracing context; the inputs have none, so their shapes
+    # stay static (as dynamo's real inputs do: AOTAutograd's key records it).
+    context = torch._guards.TracingContext(FakeTensorMode(shape_env=ShapeEnv()))
+    with torch._guards.tracing(context):
+        return compiler(gm, fakes)
+
+
+def _compile_in_worker(job: bytes, env: dict[str, str]) -> dict[str, int]:
+    """In a worker: compile one graph as the training process would, into the caches it reads.
+    Returns AOTAutograd's cache counters of the compile (a bypass: the caches cannot hold it)."""
+    os.environ.update(env)  # the training process's cache directories
+    packed, compiler, inductor_settings, functorch_settings, state = pickle.loads(job)
+    torch._inductor.config.load_config(inductor_settings)
+    torch._functorch.config.load_config(functorch_settings)
+    counted = torch._dynamo.utils.counters["aot_autograd"].copy()
+    with _in_runtime_state(state):
+        _compile_packed(packed, compiler)
+    return dict(torch._dynamo.utils.counters["aot_autograd"] - counted)
+
+
+class WorkerGraph:
+    """A graph handed to a worker: runs uncompiled until the worker is done, then is compiled
+    here from the caches the worker filled (compile_here, at that first call) and runs compiled.
+    A worker's error, or a graph the caches did not get, is warned about once and compiled here."""
 
     def __init__(
-        self, uncompiled: Callable, future: concurrent.futures.Future, unpack: Callable, stats: Stats, label: str
+        self,
+        gm: torch.fx.GraphModule,
+        packed: bytes,
+        compile_here: Callable[[torch.fx.GraphModule, list[Any]], Callable],
+        future: concurrent.futures.Future,
+        stats: Stats,
+        label: str,
+        checkpointed: bool,
     ) -> None:
-        # Called with the inputs in a list, as inductor's compiled graphs are. An instance attribute:
-        # the wrapper dynamo puts around a backward copies the instance's, not the class's.
-        self._boxed_call = True
-        self._run = uncompiled
+        self._gm = gm
+        self._packed = packed
+        self._compile_here = compile_here
         self.future: concurrent.futures.Future | None = future
-        self._unpack = unpack
         self._stats = stats
         self._label = label
-        self._post_compile: tuple | None = None
-        self._save: Callable[[Any], None] | None = None
+        self._checkpointed = checkpointed
+        self._compiled: Callable | None = None
         self._switch_lock = threading.Lock()
         with _lock:
             _unswitched.append(self)
 
-    def __call__(self, inputs: list[Any]) -> Any:
+    def __call__(self, *inputs: Any) -> Any:
         if self.future is not None and self.future.done():
             self._switch()
-        return self._run(inputs)
+        if self._compiled is not None:
+            return self._compiled(*inputs)
+        if self._checkpointed:
+            return checkpoint(self._gm, *inputs, use_reentrant=False)
+        return self._gm(*inputs)
 
     def _switch(self) -> None:
         with self._switch_lock:
             future, self.future = self.future, None
             if future is None:
                 return
+            problem = None
             try:
-                compiled = self._unpack(future.result())
-                if self._post_compile is not None:
-                    compiled.post_compile(*self._post_compile)
-            except Exception as error:  # the worker's compile error, or loading what it made
-                self._stats.worker_failures.append(f"{self._label}: {type(error).__name__}: {error}")
-                warn(f"{self._label} failed to compile in a worker and keeps running uncompiled: {error}")
+                if future.result().get("autograd_cache_bypass"):
+                    problem = "AOTAutograd's cache cannot hold it (the worker's torch logged why)"
+            except Exception as error:  # the worker's compile error
+                problem = f"{type(error).__name__}: {error}"
+            hits = _aot_cache_hits()
+            start = time.perf_counter()
+            try:
+                self._compiled = _compile_packed(self._packed, self._compile_here)
+            except Exception as error:
+                self._stats.worker_failures.append(f"{self._label}: {problem or ''} {type(error).__name__}: {error}".strip())
+                warn(f"{self._label} did not compile in a worker ({problem}) nor here, and keeps running uncompiled: {error}")
                 return
-            self._run = compiled
+            seconds = time.perf_counter() - start
+            if problem is None and _aot_cache_hits() == hits:
+                problem = "what it compiled was not found in AOTAutograd's cache"
+            if problem is not None:
+                self._stats.worker_failures.append(f"{self._label}: {problem}")
+                warn(f"{self._label} did not compile in a worker ({problem}); compiled in this process ({seconds:.1f} s)")
+                return
             self._stats.worker_graphs_compiled += 1
             logger.info(
-                "%s: back from a compile worker, running compiled (%d of %d graphs handed to the workers)",
+                "%s: back from a compile worker, loaded from the caches in %.1f s (%d of %d graphs handed to the workers)",
                 self._label,
+                seconds,
                 self._stats.worker_graphs_compiled,
                 self._stats.worker_graphs_started,
             )
-            if self._save is not None:
-                self._save(compiled)
-
-    def post_compile(self, example_inputs: Any, constants: Any, graph_kwargs: Any) -> None:
-        # What inductor does to a compiled graph before its first call (cudagraphs, input
-        # alignment), done to the worker's graph when it arrives.
-        self._post_compile = (example_inputs, constants, graph_kwargs)
-
-    def set_triton_bundle(self, triton_bundle: Any) -> None:
-        pass  # the kernels were compiled in the worker, into the shared Triton cache
 
 
 def _cache_env() -> dict[str, str]:
-    # As torch's own subprocess compile: the worker writes where this process reads.
+    # The worker writes where this process reads.
     return {name: os.environ[name] for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR") if name in os.environ}
 
 
-def _keep_traced_output_strides(gm: torch.fx.GraphModule) -> None:
-    """Make inductor give every tensor output of a forward graph the strides it was traced with.
+def compile_in_workers(
+    gm: torch.fx.GraphModule,
+    example_inputs: list[Any],
+    compiler: Callable,
+    compile_here: Callable[[torch.fx.GraphModule, list[Any]], Callable],
+    stats: Stats,
+    label: str,
+    checkpointed: bool,
+) -> Callable:
+    """What a region's backend returns for `gm` with workers (`start` first): the graph loaded
+    from the caches if they hold it, else a WorkerGraph whose worker compiles it.
 
-    In process, inductor compiles a forward graph first and AOTAutograd compiles its backward
-    for the strides inductor chose for the saved activations (which it may lay out differently:
-    a convolution's output channels-last, say). Here both compile at the same time, so the
-    backward is compiled for the traced strides, and the forward must produce them: every
-    output is treated as one the user sees, whose strides inductor keeps. (Without it, sd-scripts'
-    SDXL at budget 0.1 on an H100 failed the backward's input stride check.)"""
-    output = gm.graph.find_nodes(op="output")[0]
-    outputs = output.args[0] if isinstance(output.args[0], (list, tuple)) else output.args
-    output.meta["user_visible_output_idxs"] = [
-        index
-        for index, node in enumerate(outputs)
-        if isinstance(node, torch.fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
-    ]
-
-
-def _builtin_op(name: str) -> bool:
-    return name.startswith(("torch.ops.aten.", "torch.ops.prims.", "torch.ops.fbgemm."))
-
-
-@contextlib.contextmanager
-def compiling_in_workers(stats: Stats, label: str) -> Iterator[None]:
-    """Inside: inductor hands each graph it would compile to the workers (`start` first)."""
-    # The module, not the function: some torch versions export the function `compile_fx` as an
-    # attribute of torch._inductor under the module's name.
-    compile_fx = importlib.import_module("torch._inductor.compile_fx")
-    from torch._inductor.codecache import FxGraphCache
-    from torch.fx._graph_pickler import GraphPickler
-    from torch.fx._graph_pickler import Options as PicklerOptions
-
-    codegen_here = compile_fx.fx_codegen_and_compile
-    save_graph = FxGraphCache._save_graph
-
-    def codegen_in_worker(gm: Any, example_inputs: Any, inputs_to_check: Any, *args: Any, **graph_kwargs: Any) -> Any:
-        kwargs = {k: v for k, v in graph_kwargs.items() if k != "compile_region_name"}
-        is_backward = graph_kwargs.get("is_backward")
-        name = f"{label} ({'backward' if is_backward else 'forward'})"
-        if not is_backward:
-            _keep_traced_output_strides(gm)
-        scheme = _SubprocessFxCompile()
-        serialized = scheme.serialize_compile(gm, example_inputs, inputs_to_check, kwargs)
-        if serialized is None:  # torch logged why (a graph it cannot pickle)
-            warn(f"{name} could not be handed to a compile worker (torch logged why); it compiles in this process")
-            return codegen_here(gm, example_inputs, inputs_to_check, *args, **graph_kwargs)
-        pickled, constants = serialized
-        try:
-            future = _submit(_SubprocessFxCompile._run_in_child_subprocess, pickled, _cache_env())
-        except Exception as error:  # no pool could start, or it closed under us
-            warn(f"{name} could not be handed to a compile worker ({error}); it compiles in this process")
-            return codegen_here(gm, example_inputs, inputs_to_check, *args, **graph_kwargs)
-
-        def unpack(pickled_output: Any) -> Any:
-            output = pickled_output.deserialize(constants)
-            scheme._postprocess(output)  # the worker's logs and warnings, replayed here
-            return output.graph
-
-        # Uncompiled, a cuDNN attention backward needs the gradient in the output's layout.
-        uncompiled = cudnn_attention_gradients_laid_out(gm) if is_backward else gm
-        stats.worker_graphs_started += 1
-        return WorkerCompiledGraph(make_boxed_func(uncompiled.forward), future, unpack, stats, name)
-
-    def save_when_compiled(key: str, graph: Any, example_inputs: Any, *args: Any) -> None:
-        if not isinstance(graph, WorkerCompiledGraph):
-            return save_graph(key, graph, example_inputs, *args)
-        shape_env = FxGraphCache._get_shape_env()  # this compile's; gone once it returns
-        # The guards inductor would store with the graph: AOTAutograd's cache entry, written when
-        # this compile returns, records them and loads the graph only where they are the same.
-        symints = FxGraphCache._filter_backed_symints(example_inputs)
-        graph.guards_expr = shape_env.produce_guards_expression(
-            placeholders=symints, guards=shape_env.get_pruned_guards(symints)
+    compiler: the backend a worker compiles with (picklable), under the settings in force now.
+    compile_here(gm, inputs): compiles in this process with those settings. checkpointed: run
+    the graph under a non-reentrant checkpoint until it is compiled."""
+    if not should_use_local_autograd_cache():
+        warn(f"{label} compiles in this process: compile workers need AOTAutograd's local cache, which is off")
+        return compile_here(gm, example_inputs)
+    # Packed before anything compiles: inductor's pre-grad passes may rewrite gm in place.
+    packed = _pack_graph(gm, example_inputs)
+    try:
+        with _only_from_cache():
+            return compile_here(gm, example_inputs)
+    except _NotCached:
+        pass
+    try:
+        if isinstance(packed, str):
+            raise RuntimeError(packed)
+        job = pickle.dumps(
+            (
+                packed,
+                compiler,
+                torch._inductor.config.save_config_portable(),
+                torch._functorch.config.save_config_portable(),
+                _runtime_state(),
+            )
         )
-
-        def save(compiled: Any) -> None:
-            try:
-                with mock.patch.object(FxGraphCache, "_get_shape_env", lambda: shape_env):
-                    save_graph(key, compiled, example_inputs, *args)
-            except Exception as error:
-                warn(f"{graph._label}: the graph compiled in a worker could not be saved to inductor's cache: {error}")
-
-        graph._save = save
-
-    # torch's graph pickler refuses ops outside aten (its default filter); a graph traced under
-    # autocast holds a prims.convert_element_type per cast (torch 2.11 on an H100: every bf16
-    # block graph was refused). prims ops are torch's own, found by name in any process.
-    dumps = GraphPickler.dumps
-
-    def dumps_builtin_ops(obj: Any, options: Any = None) -> bytes:
-        return dumps(obj, options or PicklerOptions(ops_filter=_builtin_op))
-
-    with (
-        mock.patch.object(GraphPickler, "dumps", dumps_builtin_ops),
-        mock.patch.object(compile_fx, "fx_codegen_and_compile", codegen_in_worker),
-        mock.patch.object(FxGraphCache, "_save_graph", save_when_compiled),
-        torch._inductor.config.patch(WORKER_INDUCTOR_SETTINGS),  # around the cache key too
-    ):
-        yield
-
-
-# Inductor settings of every graph compiled with workers (also of one that compiles in process
-# after all: its cache key was made with them). Inductor's "mix-order reductions" (a norm's
-# backward: two reductions over different dimensions in one kernel) read a part of inductor's
-# state that torch's subprocess compile does not carry over (torch 2.11 on an H100: every
-# backward graph of sd-scripts' SD3 failed with "Attempt to use poisoned virtualized value
-# 'interpreter'" and ran uncompiled), so they are off.
-WORKER_INDUCTOR_SETTINGS = (
-    {"triton.mix_order_reduction": False} if hasattr(torch._inductor.config.triton, "mix_order_reduction") else {}
-)
+        future = _submit(_compile_in_worker, job, _cache_env())
+    except Exception as error:  # a graph or setting that does not pickle; no pool could start
+        warn(f"{label} could not be handed to a compile worker ({error}); it compiles in this process")
+        return compile_here(gm, example_inputs)
+    stats.worker_graphs_started += 1
+    return WorkerGraph(gm, packed, compile_here, future, stats, label, checkpointed)

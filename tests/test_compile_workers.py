@@ -19,7 +19,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -28,12 +28,12 @@ from torch import nn
 
 import compile_accel
 from compile_accel import CompileConfig, compile_workers
-from compile_accel.compile_workers import WorkerCompiledGraph
+from compile_accel.compile_workers import WorkerGraph
 from compile_accel.stats import Stats
 
 pytestmark = pytest.mark.skipif(
     not compile_workers.SUPPORTED,
-    reason="compile_workers needs torch's out-of-process compile (torch >= 2.8) and a platform other than Windows",
+    reason="compile_workers needs torch's graph pickler and AOTAutograd's cache (torch >= 2.8) and a platform other than Windows",
 )
 
 TOLERANCE = 1e-4
@@ -123,6 +123,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         # Counters outlive dynamo's reset: this module's are the difference (read anew: torch
         # replaces the Counter while it compiles).
         counted_before = torch._dynamo.utils.counters["inductor"].copy()
+        aot_counted_before = torch._dynamo.utils.counters["aot_autograd"].copy()
 
         def train(steps: int) -> None:
             for _ in range(steps):
@@ -150,6 +151,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         record["uncompiled_steps"] = uncompiled_steps
         record["params"] = max(relative_error(p, e) for p, e in zip(params, eager_params, strict=True))
         record["inductor_counters"] = dict(torch._dynamo.utils.counters["inductor"] - counted_before)
+        record["aot_counters"] = dict(torch._dynamo.utils.counters["aot_autograd"] - aot_counted_before)
         yield record
         torch._dynamo.reset()
         clear_caches()
@@ -176,9 +178,11 @@ def test_training_with_workers_matches_eager_before_and_after_the_compiled_graph
     assert after["worker_failures"] == []
     assert after["recompiles"] == 0 and after["fallbacks"] == []
     assert after["compiled_regions"] == after["regions"] > 0
-    # The graphs were compiled fresh (a miss in this module's empty cache), not loaded.
-    assert trained["inductor_counters"].get("fxgraph_cache_miss", 0) > 0
-    assert trained["inductor_counters"].get("fxgraph_cache_hit", 0) == 0
+    # The workers compiled them (this module's cache was empty): here each was looked up in
+    # AOTAutograd's cache once before it was handed over (a miss) and loaded from it once back.
+    assert trained["aot_counters"].get("autograd_cache_miss", 0) == after["worker_graphs_started"]
+    assert trained["aot_counters"].get("autograd_cache_hit", 0) == after["worker_graphs_started"]
+    assert trained["inductor_counters"].get("fxgraph_cache_miss", 0) == 0
     # Parity on every step, uncompiled (the first three) and compiled (the last two).
     assert trained["uncompiled_steps"] == 3 and len(trained["loss"]) == 5
     assert max(trained["loss"]) < TOLERANCE, trained["loss"]
@@ -344,8 +348,8 @@ class _ConvNet(nn.Module):
 def test_graphs_whose_saved_activations_inductor_lays_out_anew_train_as_eager_once_compiled(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Forward and backward compile at the same time in the workers: the forward must hand the
-    backward its saved activations in the strides the backward was compiled for."""
+    """Convolutions' saved activations, which inductor lays out channels-last: the backward
+    loaded here must expect them as the forward loaded here gives them."""
     from torch._inductor.utils import clear_caches
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # graphs compiled, not loaded
@@ -371,133 +375,143 @@ def test_graphs_whose_saved_activations_inductor_lays_out_anew_train_as_eager_on
     clear_caches()
 
 
-def test_inductor_settings_a_worker_cannot_compile_are_off_only_while_compiling_there() -> None:
-    import torch._inductor.config as inductor_config
+def _traced(fn: Callable, *inputs: torch.Tensor) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
+    """dynamo's graph module of `fn` and the inputs it hands a backend."""
+    traced: list = []
 
-    def setting(name: str) -> Any:
-        section, _, field = name.rpartition(".")
-        return getattr(getattr(inductor_config, section) if section else inductor_config, field)
+    def capture(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        traced.append((gm, list(example_inputs)))
+        return gm.forward
 
-    if not compile_workers.WORKER_INDUCTOR_SETTINGS:
-        pytest.skip("this torch has none of the settings")
-    others = {name: not value for name, value in compile_workers.WORKER_INDUCTOR_SETTINGS.items()}
-    with inductor_config.patch(others):  # as this torch's defaults (or the environment) may not be
-        with compile_workers.compiling_in_workers(Stats(), "graph 0/0"):
-            assert {name: setting(name) for name in others} == compile_workers.WORKER_INDUCTOR_SETTINGS
-        assert {name: setting(name) for name in others} == others
+    torch.compile(fn, backend=capture, fullgraph=True)(*inputs)
+    return traced[0]
 
 
-def test_a_graph_no_pool_takes_compiles_in_this_process_with_a_warning(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from torch._inductor.utils import clear_caches
+def _eager(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    return gm.forward
 
+
+def _sine(t: torch.Tensor) -> torch.Tensor:
+    return t.sin() * 2.0 + 1.0
+
+
+def test_a_graph_no_pool_takes_compiles_in_this_process_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
     def closed(*args: Any) -> None:
         raise RuntimeError("Attempting to use a closed pool")
 
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # compiled, not loaded
-    clear_caches()
     monkeypatch.setattr(compile_workers, "_submit", closed)
-    stats, x = Stats(), torch.randn(8, 8)
-    misses = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_miss"]  # counters outlive dynamo's reset
-    with pytest.warns(RuntimeWarning, match=r"graph 5/0 \(forward\) could not be handed to a compile worker "
+    x = torch.randn(8, 8, requires_grad=True)
+    gm, inputs = _traced(_sine, x)
+    stats, compiled_here = Stats(), []
+
+    def compile_here(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        compiled_here.append(graph)
+        if len(compiled_here) == 1:
+            raise compile_workers._NotCached  # the lookup in the caches: a miss
+        return graph.forward
+
+    with pytest.warns(RuntimeWarning, match=r"graph 5/0 could not be handed to a compile worker "
                       r"\(Attempting to use a closed pool\); it compiles in this process"):
-        with compile_workers.compiling_in_workers(stats, "graph 5/0"):
-            out = torch.compile(lambda t: t.sin() * 2.0 + 1.0, backend="inductor")(x)
-    torch.testing.assert_close(out, x.sin() * 2.0 + 1.0)
-    assert stats.worker_graphs_started == 0
-    assert torch._dynamo.utils.counters["inductor"]["fxgraph_cache_miss"] > misses  # compiled here
-    clear_caches()
+        compiled = compile_workers.compile_in_workers(gm, inputs, _eager, compile_here, stats, "graph 5/0", False)
+    assert compiled_here == [gm, gm]  # looked up in the caches, then compiled
+    torch.testing.assert_close(compiled(x)[0], _sine(x))
+    assert stats.worker_graphs_started == 0 and compile_workers.pending() == 0
 
 
 class _WorkerError(RuntimeError):
     pass
 
 
-def _failing(where: str) -> tuple[concurrent.futures.Future, Any, list]:
-    """A finished future and an unpack whose result fails at `where`; the compiled graph's calls."""
-    calls: list = []
-
-    class Compiled:
-        def post_compile(self, *args: Any) -> None:
-            if where == "post_compile":
-                raise _WorkerError("could not load the compiled graph")
-
-        def __call__(self, inputs: list) -> list:
-            calls.append(inputs)
-            return [inputs[0] * 100.0]
-
-    future: concurrent.futures.Future = concurrent.futures.Future()
-    if where == "worker":
-        future.set_exception(_WorkerError("inductor raised in the worker"))
-    else:
-        future.set_result("pickled output")
-
-    def unpack(output: Any) -> Any:
-        assert output == "pickled output"
-        if where == "unpack":
-            raise _WorkerError("could not unpickle the output")
-        return Compiled()
-
-    return future, unpack, calls
+OUTCOMES = {
+    # what the worker's future gives -> why the graph compiled here
+    "raised": (_WorkerError("inductor raised in the worker"), r"_WorkerError: inductor raised in the worker"),
+    "bypassed": ({"autograd_cache_bypass": 1}, r"AOTAutograd's cache cannot hold it"),
+    "not_cached": ({"autograd_cache_miss": 1, "autograd_cache_saved": 1}, r"what it compiled was not found"),
+}
 
 
-@pytest.mark.parametrize("where", ["worker", "unpack", "post_compile"])
-def test_a_worker_failure_warns_once_and_the_graph_keeps_running_uncompiled(where: str) -> None:
-    stats, saved = Stats(), []
-    future, unpack, compiled_calls = _failing(where)
-    graph = WorkerCompiledGraph(lambda inputs: [inputs[0] * 2.0 + 1.0], future, unpack, stats, "graph 7/0")
-    graph._save = saved.append
-    graph.post_compile(["example"], None, {})
+@pytest.mark.parametrize("outcome", OUTCOMES)
+def test_a_graph_the_worker_did_not_put_in_the_caches_compiles_here_once_with_a_warning(outcome: str) -> None:
+    result, why = OUTCOMES[outcome]
     x = torch.randn(3, 4)
-    message = {
-        "worker": "inductor raised in the worker",
-        "unpack": "could not unpickle",
-        "post_compile": "could not load",
-    }
-    warning = f"graph 7/0 failed to compile in a worker and keeps running uncompiled: {message[where]}"
-    with pytest.warns(RuntimeWarning, match=warning):
-        (out,) = graph([x])
-    torch.testing.assert_close(out, x * 2.0 + 1.0, rtol=0, atol=0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # warned once: the next calls are quiet
-        for _ in range(2):
-            y = torch.randn(3, 4)
-            torch.testing.assert_close(graph([y])[0], y * 2.0 + 1.0, rtol=0, atol=0)
-    assert compiled_calls == [] and saved == []
-    assert len(stats.worker_failures) == 1
-    assert stats.worker_failures[0].startswith(f"graph 7/0: _WorkerError: {message[where]}")
-    assert stats.worker_graphs_compiled == 0
-    assert stats.as_dict()["worker_failures"] == stats.worker_failures
-
-
-def test_a_graph_switches_to_the_workers_graph_once_it_is_back() -> None:
-    """The control for the failure test: the same fakes, nothing failing."""
-    stats, saved, post_compiled = Stats(), [], []
+    gm, inputs = _traced(_sine, x)
     future: concurrent.futures.Future = concurrent.futures.Future()
+    stats, compiled_here = Stats(), []
 
-    class Compiled:
-        def post_compile(self, *args: Any) -> None:
-            post_compiled.append(args)
+    def compile_here(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        # The packed graph, on fake inputs: as the worker compiled it.
+        assert graph.code == gm.code and all(type(t).__name__ == "FakeTensor" for t in example_inputs)
+        compiled_here.append(graph)
+        return lambda t: (t * 100.0,)  # tells which one ran
 
-        def __call__(self, inputs: list) -> list:
-            return [inputs[0] * 2.0 + 1.0 + 1000.0]  # tells which one ran
-
-    graph = WorkerCompiledGraph(
-        lambda inputs: [inputs[0] * 2.0 + 1.0], future, lambda _: Compiled(), stats, "graph 1/0"
-    )
-    graph._save = saved.append
-    graph.post_compile(["example"], "constants", {"kw": 1})
-    x = torch.zeros(2)
-    assert graph([x])[0].tolist() == [1.0, 1.0]  # not back yet: uncompiled
-    future.set_result("pickled output")
+    packed = compile_workers._pack_graph(gm, inputs)
+    graph = WorkerGraph(gm, packed, compile_here, future, stats, "graph 7/0", checkpointed=False)
+    torch.testing.assert_close(graph(x)[0], _sine(x), rtol=0, atol=0)  # not back: uncompiled
+    if isinstance(result, Exception):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
+    with pytest.warns(RuntimeWarning, match=f"graph 7/0 did not compile in a worker \\({why}.*\\); compiled in this process"):
+        torch.testing.assert_close(graph(x)[0], x * 100.0, rtol=0, atol=0)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert graph([x])[0].tolist() == [1001.0, 1001.0]
-        assert graph([x])[0].tolist() == [1001.0, 1001.0]
-    assert post_compiled == [(["example"], "constants", {"kw": 1})]
-    assert len(saved) == 1 and isinstance(saved[0], Compiled)
-    assert stats.worker_graphs_compiled == 1 and stats.worker_failures == []
+        warnings.simplefilter("error")  # warned once, compiled once
+        torch.testing.assert_close(graph(x)[0], x * 100.0, rtol=0, atol=0)
+    assert len(compiled_here) == 1 and compile_workers.pending() == 0
+    assert len(stats.worker_failures) == 1 and stats.worker_failures[0].startswith("graph 7/0: ")
+    assert stats.worker_graphs_compiled == 0
+
+
+def test_a_graph_that_compiles_neither_in_a_worker_nor_here_keeps_running_uncompiled() -> None:
+    x = torch.randn(3, 4)
+    gm, inputs = _traced(_sine, x)
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_exception(_WorkerError("inductor raised in the worker"))
+
+    def compile_here(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        raise _WorkerError("inductor raised here too")
+
+    stats = Stats()
+    graph = WorkerGraph(gm, compile_workers._pack_graph(gm, inputs), compile_here, future, stats, "graph 8/0", False)
+    with pytest.warns(RuntimeWarning, match=r"graph 8/0 did not compile in a worker .* nor here, and keeps running "
+                      r"uncompiled: inductor raised here too"):
+        torch.testing.assert_close(graph(x)[0], _sine(x), rtol=0, atol=0)
+    y = torch.randn(3, 4)
+    torch.testing.assert_close(graph(y)[0], _sine(y), rtol=0, atol=0)
+    assert len(stats.worker_failures) == 1 and stats.worker_graphs_compiled == 0
+
+
+@pytest.mark.parametrize("checkpointed", [True, False])
+def test_until_it_is_compiled_a_budgeted_graph_runs_under_a_checkpoint(checkpointed: bool) -> None:
+    """A budget switched the block's own checkpointing off: uncompiled, the graph recomputes its
+    forward in the backward instead of keeping every activation."""
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(3, 4)
+    gm, inputs = _traced(lambda t, weight: (t @ weight).sin(), x, w)
+    calls = []
+    forward = gm.forward
+    gm.forward = lambda *args: calls.append(1) or forward(*args)
+    graph = WorkerGraph(gm, b"", lambda *a: None, concurrent.futures.Future(), Stats(), "graph 9/0", checkpointed)
+    (out,) = graph(*inputs)
+    (grad,) = torch.autograd.grad(out.sum(), w)
+    torch.testing.assert_close(grad, torch.autograd.grad((x @ w).sin().sum(), w)[0])
+    assert len(calls) == (2 if checkpointed else 1)
+
+
+def test_a_worker_compiles_under_the_training_process_grad_mode_autocast_and_flags() -> None:
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        state = compile_workers._runtime_state()
+    assert state["grad"] is False and state["autocast"] == {"cpu": torch.bfloat16}
+    flags = compile_workers._precision_flags()
+    before = [getattr(module, name) for module, name in flags]
+    try:
+        with compile_workers._in_runtime_state(state):
+            assert not torch.is_grad_enabled()
+            assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+            assert compile_workers._runtime_state() == state
+    finally:
+        for (module, name), value in zip(flags, before, strict=True):
+            setattr(module, name, value)
+    assert torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
 
 
 def _untouched(model: nn.Module) -> None:
@@ -533,7 +547,7 @@ def test_compile_workers_where_torch_cannot_is_refused_and_changes_nothing(monke
     monkeypatch.setattr(compile_workers, "SUPPORTED", False)
     model, _ = build("kohya", "non-reentrant", **ONE_BLOCK_CLASS)
     pool = compile_workers._pool
-    with pytest.raises(ValueError, match=r"CompileConfig\.compile_workers needs torch's out-of-process compile .*"
+    with pytest.raises(ValueError, match=r"CompileConfig\.compile_workers needs torch's graph pickler and AOTAutograd's cache .*"
                        r"Windows; use compile_workers=0"):
         compile_accel.apply(model, CompileConfig(**CONFIG, compile_workers=WORKERS))
     _untouched(model)

@@ -207,7 +207,7 @@ def test_compile_workers_become_the_compile_config_where_torch_has_them(monkeypa
     config = accel.config_from_args(_parse("--activation_memory_budget", "0.5", "--compile_workers", "4"))
     assert (config.mode, config.compile_workers) == ("blocks", 4)
     monkeypatch.setattr(compile_workers, "SUPPORTED", False)  # Windows, or a torch before 2.8
-    with pytest.raises(accel.LaunchError, match="--compile_workers needs torch's out-of-process compile"):
+    with pytest.raises(accel.LaunchError, match="--compile_workers needs torch's graph pickler"):
         accel.config_from_args(_parse("--selective_torch_compile", "--compile_workers", "4"))
     assert accel.config_from_args(_parse("--selective_torch_compile")).compile_workers == 0
 
