@@ -285,6 +285,10 @@ def _compile_blocks(
         if config.compile_workers:
             compile_workers.start(config.compile_workers)
     acceleration = Acceleration(model, config, block_lists, regions, eager_patches, switches, stats)
+    if regions and config.compile_workers:
+        # Graphs back from the workers switch to compiled at a step's start (compile_workers).
+        hook = model.register_forward_pre_hook(lambda *_: compile_workers.step_started())
+        acceleration.on_remove(hook.remove)
     if config.activation_memory_budget == "auto":
 
         def set_budget(budget: float, counts: Stats, estimate: SavedBytesEstimate | None = None) -> None:

@@ -45,6 +45,7 @@ import torch
 import torch._functorch.config
 import torch._inductor.config
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from .dynamo_settings import HAS_EAGER_BACKWARD_KNOB
@@ -179,7 +180,7 @@ def pending() -> int:
 
 def wait() -> int:
     """Wait until the workers are done with every graph handed to them; returns `pending()` as it
-    was before (not 0: the next call of those graphs switches to the compiled ones)."""
+    was before (not 0: those graphs switch to compiled in the next step)."""
     waiting = pending()
     with _lock:
         futures = [graph.future for graph in _unswitched if graph.future is not None]
@@ -187,8 +188,20 @@ def wait() -> int:
     return waiting
 
 
-class _NotCached(Exception):
-    """AOTAutograd's cache has no entry for the graph (raised instead of compiling it)."""
+def step_started() -> None:
+    """Say that a training step starts (apply() calls it from the model's forward pre-hook): a
+    graph back from its worker by now may switch to compiled in this step. A graph that a
+    trainer's checkpoint recomputes in the backward switches only here, between steps: a
+    checkpoint must see its forward save the same tensors twice."""
+    with _lock:
+        for graph in _unswitched:
+            if graph.future is not None and graph.future.done():
+                graph.back_at_step_start = True
+
+
+class _NotCached(BaseException):
+    """AOTAutograd's cache has no entry for the graph (raised instead of compiling it; not an
+    Exception, which torch's cache lookup would take for a failure and compile anyway)."""
 
 
 @contextlib.contextmanager
@@ -205,6 +218,13 @@ def _only_from_cache() -> Iterator[None]:
 
     with mock.patch.object(AOTAutogradCache, "try_load", staticmethod(load_or_raise)):
         yield
+
+
+def _unseen_by_checkpoints() -> contextlib.AbstractContextManager:
+    """Around our own work with fake tensors inside a step (packing a graph, loading it): what
+    autograd saves there must not reach a checkpoint's hooks, which count the tensors its
+    forward saves against what its recomputation saves."""
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
 
 
 def _aot_cache_hits() -> int:
@@ -340,10 +360,18 @@ def _compile_in_worker(job: bytes, env: dict[str, str]) -> dict[str, int]:
     return dict(torch._dynamo.utils.counters["aot_autograd"] - counted)
 
 
+_ATTENTION_WITHOUT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 class WorkerGraph:
     """A graph handed to a worker: runs uncompiled until the worker is done, then is compiled
-    here from the caches the worker filled (compile_here, at that first call) and runs compiled.
-    A worker's error, or a graph the caches did not get, is warned about once and compiled here."""
+    here from the caches the worker filled (compile_here, at its first call after) and runs
+    compiled. A worker's error, or a graph the caches did not get, is warned about once and
+    compiled here.
+
+    checkpointed: the graph runs under a checkpoint of its own until compiled (a budget replaced
+    the block's checkpointing), and may switch at any call. Otherwise a trainer's checkpoint may
+    run it again in the backward, so it switches only at a call after `step_started`."""
 
     def __init__(
         self,
@@ -362,19 +390,27 @@ class WorkerGraph:
         self._stats = stats
         self._label = label
         self._checkpointed = checkpointed
+        self.back_at_step_start = False
         self._compiled: Callable | None = None
         self._switch_lock = threading.Lock()
         with _lock:
             _unswitched.append(self)
 
     def __call__(self, *inputs: Any) -> Any:
-        if self.future is not None and self.future.done():
+        if self.future is not None and (self.back_at_step_start or (self._checkpointed and self.future.done())):
             self._switch()
         if self._compiled is not None:
             return self._compiled(*inputs)
         if self._checkpointed:
-            return checkpoint(self._gm, *inputs, use_reentrant=False)
-        return self._gm(*inputs)
+            return checkpoint(self._run_uncompiled, *inputs, use_reentrant=False)
+        return self._run_uncompiled(*inputs)
+
+    def _run_uncompiled(self, *inputs: Any) -> Any:
+        # Without cuDNN's attention: its eager backward fails on gradients laid out as a
+        # compiled step's neighbours give them (sd-scripts' Flux fp8 on an H200, torch 2.11: an
+        # illegal memory access); inductor's lowering lays them out for it, eager does not.
+        with sdpa_kernel(_ATTENTION_WITHOUT_CUDNN):
+            return self._gm(*inputs)
 
     def _switch(self) -> None:
         with self._switch_lock:
@@ -390,7 +426,8 @@ class WorkerGraph:
             hits = _aot_cache_hits()
             start = time.perf_counter()
             try:
-                self._compiled = _compile_packed(self._packed, self._compile_here)
+                with _unseen_by_checkpoints():
+                    self._compiled = _compile_packed(self._packed, self._compile_here)
             except Exception as error:
                 self._stats.worker_failures.append(f"{self._label}: {problem or ''} {type(error).__name__}: {error}".strip())
                 warn(f"{self._label} did not compile in a worker ({problem}) nor here, and keeps running uncompiled: {error}")
@@ -436,7 +473,8 @@ def compile_in_workers(
         warn(f"{label} compiles in this process: compile workers need AOTAutograd's local cache, which is off")
         return compile_here(gm, example_inputs)
     # Packed before anything compiles: inductor's pre-grad passes may rewrite gm in place.
-    packed = _pack_graph(gm, example_inputs)
+    with _unseen_by_checkpoints():
+        packed = _pack_graph(gm, example_inputs)
     try:
         with _only_from_cache():
             return compile_here(gm, example_inputs)

@@ -244,6 +244,49 @@ def test_a_restart_loads_the_graphs_the_workers_compiled_from_inductors_cache(tr
     assert restart["loss"] < TOLERANCE and restart["grads"] < TOLERANCE, restart
 
 
+def test_graphs_inside_a_trainers_checkpoint_switch_between_steps_not_before_its_recompute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Selective regions run inside the blocks' non-reentrant checkpoints, which recompute them
+    in the backward and check that they save what the forward saved. Graphs that come back
+    between a step's forward and its backward run uncompiled in that backward too."""
+    from torch._inductor.utils import clear_caches
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # compiled in the workers, not loaded
+    clear_caches()
+    torch._dynamo.reset()
+    monkeypatch.setattr(compile_workers, "_first_step_done", False)
+    seed = torch.seed()
+    torch.manual_seed(seed)
+    model, params = build("kohya", "non-reentrant", **ONE_BLOCK_CLASS)
+    torch.manual_seed(seed)
+    eager, eager_params = build("kohya", "non-reentrant", **ONE_BLOCK_CLASS)
+    acceleration = compile_accel.apply(model, CompileConfig(mode="selective", compile_workers=WORKERS))
+    gate = compile_workers._pool = _GatedPool(compile_workers._pool)
+    errors = []
+    try:
+        for step in range(3):
+            inputs = inputs_for(model)
+            loss = model(*inputs).square().mean()
+            if step == 0:  # every graph comes back between the forward and its backward
+                gate.open()
+                assert compile_workers.wait() > 0
+            grads = torch.autograd.grad(loss, params)
+            expected = torch.autograd.grad(eager(*inputs).square().mean(), eager_params)
+            errors.append(max(relative_error(g, e) for g, e in zip(grads, expected, strict=True)))
+            if step == 0:
+                assert acceleration.stats()["worker_graphs_compiled"] == 0  # not switched in that backward
+    finally:
+        gate.open()
+    stats = acceleration.stats()
+    assert stats["worker_graphs_compiled"] == stats["worker_graphs_started"] > 0  # switched at the next step
+    assert stats["worker_failures"] == [] and stats["fallbacks"] == []
+    assert max(errors) < TOLERANCE, errors
+    acceleration.remove()
+    torch._dynamo.reset()
+    clear_caches()
+
+
 class _FakePool:
     """SubprocPool's part that compile_workers uses, its futures finished by hand."""
 
@@ -451,6 +494,11 @@ def test_a_graph_the_worker_did_not_put_in_the_caches_compiles_here_once_with_a_
         future.set_exception(result)
     else:
         future.set_result(result)
+    # Back, but a trainer's checkpoint may run it again in this step's backward: uncompiled
+    # until the next step starts.
+    torch.testing.assert_close(graph(x)[0], _sine(x), rtol=0, atol=0)
+    assert compiled_here == []
+    compile_workers.step_started()
     with pytest.warns(RuntimeWarning, match=f"graph 7/0 did not compile in a worker \\({why}.*\\); compiled in this process"):
         torch.testing.assert_close(graph(x)[0], x * 100.0, rtol=0, atol=0)
     with warnings.catch_warnings():
@@ -471,7 +519,7 @@ def test_a_graph_that_compiles_neither_in_a_worker_nor_here_keeps_running_uncomp
         raise _WorkerError("inductor raised here too")
 
     stats = Stats()
-    graph = WorkerGraph(gm, compile_workers._pack_graph(gm, inputs), compile_here, future, stats, "graph 8/0", False)
+    graph = WorkerGraph(gm, compile_workers._pack_graph(gm, inputs), compile_here, future, stats, "graph 8/0", True)
     with pytest.warns(RuntimeWarning, match=r"graph 8/0 did not compile in a worker .* nor here, and keeps running "
                       r"uncompiled: inductor raised here too"):
         torch.testing.assert_close(graph(x)[0], _sine(x), rtol=0, atol=0)
