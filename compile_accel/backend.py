@@ -98,7 +98,7 @@ def _has_checkpoint(gm: torch.fx.GraphModule) -> bool:
 
 def _inner_backend(config: CompileConfig) -> Callable:
     if config.backend == "inductor" and config.compile_mode is not None:
-        return torch._TorchCompileInductorWrapper(config.compile_mode, None, config.dynamic)
+        return torch._TorchCompileInductorWrapper(config.compile_mode, None, config.compile_dynamic)
     return torch._dynamo.lookup_backend(config.backend)
 
 

@@ -29,10 +29,10 @@ class CompileConfig:
         compile_accel.auto_budget).
     vram_limit_gib: the memory "auto" must fit, in GiB of peak allocated memory; None: what
         the GPU has free (plus what this process already holds) minus a margin.
-    dynamic: None lets dynamo decide (one static graph, a dynamic one on the first new shape);
-        True compiles with symbolic shapes from the start, so the token counts of aspect-ratio
-        buckets share one graph (parameter shapes stay static); False compiles one static
-        graph per shape.
+    dynamic: None lets dynamo decide (one static graph, a dynamic one on the first new shape;
+        with compile_workers, static graphs only); True compiles with symbolic shapes from the
+        start, so the token counts of aspect-ratio buckets share one graph (parameter shapes
+        stay static); False compiles one static graph per shape.
     backend: a torch.compile backend name.
     compile_mode: inductor mode ("default", "reduce-overhead", "max-autotune",
         "max-autotune-no-cudagraphs"); inductor only.
@@ -46,9 +46,10 @@ class CompileConfig:
         autotuning pointwise kernels (compile_accel.backend.FAST_COMPILE_SETTINGS): seconds less
         per block class, steps measured as fast. False compiles with inductor's defaults.
     compile_workers: 0 compiles each graph in this process, the step waiting for it. N > 0 hands
-        inductor's code generation to N worker processes (inductor only; not on Windows): the
-        step runs each graph uncompiled until its compiled graph is back, and graphs of every
-        block class compile at the same time (compile_accel.compile_workers).
+        each graph's compile (AOTAutograd and inductor) to N worker processes (inductor only; not
+        on Windows): the step runs each graph uncompiled until it is back, and the graphs of every
+        block class and shape compile at the same time (compile_accel.compile_workers). A graph
+        with symbolic shapes (dynamic=True) compiles in this process.
     """
 
     mode: str = "selective"
@@ -62,6 +63,13 @@ class CompileConfig:
     vram_limit_gib: float | None = None
     fast_compile: bool = True
     compile_workers: int = 0
+
+    @property
+    def compile_dynamic(self) -> bool | None:
+        """`dynamic` as the regions compile with it. With compile workers None is False: workers
+        take graphs of static shapes, and a graph per new shape compiles beside the others
+        instead of one with symbolic shapes in this process."""
+        return False if self.dynamic is None and self.compile_workers else self.dynamic
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and what it allows."""

@@ -77,7 +77,7 @@ class CompiledFunction:
             kwargs: dict[str, Any] = {
                 "backend": backend,
                 "fullgraph": self.config.fullgraph,
-                "dynamic": self.config.dynamic,
+                "dynamic": self.config.compile_dynamic,
             }
             if COMPILE_TAKES_RECOMPILE_LIMIT:
                 kwargs["recompile_limit"] = self.recompile_limit

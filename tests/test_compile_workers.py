@@ -562,6 +562,14 @@ def test_a_worker_compiles_under_the_training_process_grad_mode_autocast_and_fla
     assert torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
 
 
+def test_with_workers_a_new_input_shape_is_a_static_graph_of_its_own_unless_dynamic_is_asked_for() -> None:
+    """Workers take graphs of static shapes; dynamo's automatic dynamic shapes would compile
+    the second shape of a block class with symbolic shapes, in this process."""
+    assert CompileConfig(compile_workers=2).compile_dynamic is False
+    assert CompileConfig(compile_workers=2, dynamic=True).compile_dynamic is True
+    assert CompileConfig().compile_dynamic is None
+
+
 def _untouched(model: nn.Module) -> None:
     """As tests/test_errors.py: no forward patched, no acceleration attached, checkpointing as built."""
     assert not any("forward" in m.__dict__ and not hasattr(m.__dict__["forward"], "__self__") for m in model.modules())
