@@ -38,7 +38,7 @@ MODES: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
     "plain": ({}, ()),
     "selective": ({"SDSCRIPTS_SELECTIVE_TORCH_COMPILE": "1"}, ()),
     "budget": ({}, ("--activation_memory_budget", "0.5")),
-    # Inductor's code generation in 2 worker processes; the steps run graphs not back yet uncompiled.
+    # Each graph compiled in one of 2 worker processes; the steps run graphs not back yet uncompiled.
     # No cache: graphs another run compiled would load from it and never reach the workers.
     "workers": ({}, ("--activation_memory_budget", "0.5", "--compile_workers", "2", "--no_compile_cache")),
 }
