@@ -165,7 +165,7 @@ class RegionBackend:
             self._aot_settings["force_non_lazy_backward_lowering"] = True
         # Inductor settings patched around every compile of a region, and only there.
         self._inductor_settings = FAST_COMPILE_SETTINGS if config.fast_compile else {}
-        # Inductor's code generation in the worker processes (not for auto's traced estimate).
+        # Each graph compiled in a worker process (not auto's traced estimate).
         self.in_workers = config.compile_workers > 0 and estimate is None
 
     def _settings(self) -> contextlib.AbstractContextManager:
