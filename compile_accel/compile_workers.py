@@ -174,8 +174,13 @@ def pending() -> int:
     """Graphs (of every model in this process) handed to the workers and not yet running
     compiled: still compiling, or back and switched to at their next call."""
     with _lock:
-        _unswitched[:] = [graph for graph in _unswitched if graph.future is not None]
-        return len(_unswitched)
+        return len(_still_unswitched())
+
+
+def _still_unswitched() -> list[WorkerGraph]:
+    # Called with _lock held: drops the graphs that switched (step_started runs every step).
+    _unswitched[:] = [graph for graph in _unswitched if graph.future is not None]
+    return _unswitched
 
 
 def wait() -> int:
@@ -194,8 +199,8 @@ def step_started() -> None:
     trainer's checkpoint recomputes in the backward switches only here, between steps: a
     checkpoint must see its forward save the same tensors twice."""
     with _lock:
-        for graph in _unswitched:
-            if graph.future is not None and graph.future.done():
+        for graph in _still_unswitched():
+            if graph.future.done():
                 graph.back_at_step_start = True
 
 
@@ -322,11 +327,10 @@ def _unpack_graph(packed: bytes) -> tuple[torch.fx.GraphModule, list[Any]]:
     inputs_mode = FakeTensorMode()
     loaded, fakes, sources, attributes, order = GraphPickler.loads(packed, inputs_mode)
     gm = torch.fx.GraphModule(torch.nn.Module(), loaded.graph)  # the class dynamo's has
-    gm.__dict__.update(attributes)
-    attributes = dict(gm.__dict__)
+    merged = {**gm.__dict__, **attributes}
     gm.__dict__.clear()
-    gm.__dict__.update({name: attributes.pop(name) for name in order if name in attributes})
-    gm.__dict__.update(attributes)
+    gm.__dict__.update({name: merged.pop(name) for name in order if name in merged})
+    gm.__dict__.update(merged)
     for node, source in zip(gm.graph.find_nodes(op="placeholder"), sources, strict=True):
         node._dynamo_source = source
     FakeTensorProp(gm, inputs_mode).propagate_dont_convert_inputs(*fakes)
