@@ -182,7 +182,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
         type=_whole_number(0),
         default=0,
         metavar="N",
-        help="compiled modes hand inductor's code generation to N worker processes (CompileConfig.compile_workers); "
+        help="compiled modes compile their graphs in N worker processes (CompileConfig.compile_workers); "
         "the second step is timed too (it runs what is not compiled yet uncompiled), then the bench waits for the "
         "workers and reports when the last graph was back",
     )
@@ -197,6 +197,7 @@ class StepResult:
     steps: int
     step_s_median: float
     step_s_min: float
+    step_s_each: list[float]  # every timed step, in order: the spread behind the median
     first_step_s: float
     peak_bytes: int
     peak_kind: str
@@ -352,6 +353,7 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
         steps=settings.steps,
         step_s_median=median,
         step_s_min=min(times),
+        step_s_each=times,
         first_step_s=first,
         peak_bytes=peak,
         peak_kind=kind,
@@ -419,25 +421,33 @@ def environment() -> dict[str, Any]:
     return env
 
 
-def _run_child(mode: str, settings: BenchSettings, env: dict[str, str]) -> dict[str, Any]:
+def _run_child(mode: str, settings: BenchSettings, env: dict[str, str], log: Path | None) -> dict[str, Any]:
     processes = parse_mode(mode).ddp
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"] if processes > 1 else []
     cmd = [sys.executable, *launcher, "-m", "compile_accel.benchmarks.runner", "--mode", mode, *settings.flags()]
     if processes > 1 and sys.platform == "win32":
         env = {**env, "USE_LIBUV": "0"}  # torchrun's store needs libuv, which Windows builds lack
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if log is not None:  # the child's warnings and progress, kept when it succeeds too
+        with log.open("a", encoding="utf-8") as file:
+            file.write(f"$ {' '.join(cmd)}\n{proc.stderr}\n")
     if proc.returncode != 0:
         raise RuntimeError(f"mode {mode} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def run_ab(
-    modes: list[str], settings: BenchSettings, progress: Callable[[str], None] = print, warm: bool = False
+    modes: list[str],
+    settings: BenchSettings,
+    progress: Callable[[str], None] = print,
+    warm: bool = False,
+    log_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Each mode in a child process; returns {'environment', 'command', 'settings', 'results'}.
 
     warm: each mode compiles into an inductor cache of its own, empty (a cold start), then a
     second child with that cache runs one step: its first step is the warm start.
+    log_dir: each mode's children write their standard error to `<log_dir>/<mode>.log`.
     """
     for mode in modes:
         parse_mode(mode)  # refuse a bad mode before spending minutes on the good ones
@@ -451,9 +461,10 @@ def run_ab(
         # A scanner holding a cache file on Windows must not lose the whole A/B at cleanup.
         with tempfile.TemporaryDirectory(prefix="compile_accel_bench_", ignore_cleanup_errors=True) as cache:
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache} if warm else os.environ.copy()
-            result = _run_child(mode, settings, env)
+            log = None if log_dir is None else log_dir / f"{mode}.log"
+            result = _run_child(mode, settings, env, log)
             if warm and "oom" not in result:
-                again = _run_child(mode, dataclasses.replace(settings, steps=1, warmup=0), env)
+                again = _run_child(mode, dataclasses.replace(settings, steps=1, warmup=0), env, log)
                 result["warm_first_step_s"] = again["first_step_s"]
                 result["warm_fxgraph_cache_hits"] = again["stats"]["fxgraph_cache_hits"]
                 result["warm_compile_times"] = again["stats"]["compile_times"]

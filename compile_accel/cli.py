@@ -201,11 +201,15 @@ def bench(args: argparse.Namespace) -> int:
     if refusal:
         return _refuse(refusal)
     settings = runner.BenchSettings.from_args(args, device)
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
     report = runner.run_ab(
         modes,
         settings,
         progress=lambda line: print(line, file=sys.stderr, flush=True),
         warm=args.warm or args.compile_profile,
+        log_dir=out,
     )
     env, ran = report["environment"], measured(report)
     description = ran["results"][0]["description"] if ran["results"] else f"{args.model} (every mode ran out of memory)"
@@ -214,9 +218,7 @@ def bench(args: argparse.Namespace) -> int:
         f"median of {args.steps} steps after the first step and {args.warmup} warm-up steps\n"
     )
     print(markdown_table(report))
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+    if out is not None:
         (out / "bench.json").write_text(json.dumps(report, indent=2))
         (out / "bench.md").write_text(markdown_table(report) + "\n")
         print(f"\nwrote {out / 'bench.json'}, {out / 'bench.md'}{_plot(ran, out / 'bench.png')}")
@@ -240,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
 
     b.add_argument("--modes", help=f"comma-separated from: {MODES_HELP} (default: {','.join(DEFAULT_MODES)})")
     b.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if present, else cpu")
-    b.add_argument("--out", help="directory for bench.json and bench.md")
+    b.add_argument("--out", help="directory for bench.json, bench.md and each mode's log (<mode>.log)")
     b.add_argument(
         "--warm",
         action="store_true",

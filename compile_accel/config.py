@@ -129,7 +129,7 @@ class CompileConfig:
             raise ValueError(f"CompileConfig.compile_workers must be an int >= 0, got {workers!r}")
         if workers and self.backend != "inductor":
             raise ValueError(
-                f"CompileConfig.compile_workers hands inductor's code generation to workers; backend={self.backend!r} "
+                f"CompileConfig.compile_workers compiles with inductor in workers; backend={self.backend!r} "
                 "is not inductor"
             )
         if not isinstance(self.exclude, (list, tuple)) or not all(isinstance(p, str) for p in self.exclude):

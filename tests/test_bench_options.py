@@ -150,6 +150,7 @@ def _result(spec: ModeSpec, settings: BenchSettings, seconds: float) -> StepResu
         steps=settings.steps,
         step_s_median=seconds,
         step_s_min=seconds,
+        step_s_each=[seconds] * settings.steps,
         first_step_s=1.0,
         peak_bytes=3 * 2**30,
         peak_kind="cuda max allocated",
@@ -169,7 +170,7 @@ def _fake_modes(monkeypatch, outcomes: dict[str, float | BaseException]) -> None
             raise outcome
         return _result(spec, settings, outcome)
 
-    def run_child(mode, settings, env):
+    def run_child(mode, settings, env, log):
         with contextlib.redirect_stdout(io.StringIO()) as stdout:
             runner.main(["--mode", mode, "--device", settings.device, *settings.flags()])
         return json.loads(stdout.getvalue().strip().splitlines()[-1])

@@ -143,6 +143,7 @@ def test_bench_runs_each_mode_and_writes_json(bench_run: BenchRun) -> None:
     assert "[1/5] eager+ckpt" in proc.stderr and "[2/5] blocks+budget=1.0" in proc.stderr  # progress
     assert list(results) == BENCH_MODES
     assert all(r["step_s_median"] > 0 and r["peak_bytes"] > 0 for r in results.values())
+    assert all(len(r["step_s_each"]) == 2 and min(r["step_s_each"]) == r["step_s_min"] for r in results.values())
     assert results["blocks+budget=1.0"]["stats"]["compiled_regions"] > 0
     assert results["eager+ckpt"]["stats"]["regions"] == 0
     offload = results["eager+ckpt+offload=0.5"]["stats"]["offload"]
@@ -162,6 +163,9 @@ def test_bench_warm_column_comes_from_a_cache_the_cold_run_filled(tmp_path) -> N
     assert result["stats"]["fxgraph_cache_hits"] == 0  # cold: an empty cache of its own
     assert result["warm_fxgraph_cache_hits"] > 0 and result["warm_first_step_s"] > 0
     assert "warm first step s" in proc.stdout
+    # Both children's standard error is kept, though both succeeded.
+    log = (tmp_path / "blocks+budget=1.0.log").read_text()
+    assert log.count("--mode blocks+budget=1.0") == 2
 
 
 def test_bench_refuses_an_unknown_mode_before_running(capsys, no_mode_runs) -> None:
