@@ -11,7 +11,8 @@ same settings; anything else compiles as usual.
 `save_compile_cache` / `load_compile_cache` work with a file you name. `RunCompileCache` keeps
 one file per run in the user's cache directory (compile_accel.cache_files: model, what is
 compiled and how, input shapes, GPU, torch version), loads it on the model's first forward and
-saves it after the first step; the sd-scripts launcher uses it.
+saves it after the first step (the sd-scripts launcher, which uses it, saves it once the graphs
+handed to compile workers run compiled: a graph is in the artifacts once this process loaded it).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from . import compile_workers
 from .cache_files import cache_dir, run_inputs, run_key, write_atomically
 from .dynamo_settings import HAS_CACHE_ARTIFACTS
 from .stats import warn
@@ -116,4 +118,5 @@ class RunCompileCache:
 
 
 def _graphs_compiled() -> int:
-    return torch._dynamo.utils.counters["inductor"]["fxgraph_cache_miss"]
+    """Graphs compiled in this process, and those compiled in the compile workers and loaded here."""
+    return torch._dynamo.utils.counters["inductor"]["fxgraph_cache_miss"] + compile_workers.graphs_loaded()

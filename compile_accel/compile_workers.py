@@ -83,6 +83,7 @@ _pool: Any = None  # up from start() or the first graph handed over until idle (
 _out: list[concurrent.futures.Future] = []  # the running pool's graphs not yet back
 _unswitched: list[WorkerGraph] = []  # handed to the workers, not yet running compiled
 _first_step_done = False  # set by first_step_done(), for the rest of the process
+_loaded = 0  # graphs back from the workers and loaded here, for the rest of the process
 _last_back = 0.0  # time.monotonic() when a graph last came back
 # Until the first step is done, an idle pool waits this long for more graphs: a first step hands
 # its graphs over in waves (sd-scripts' SDXL: 40 s apart on an H100, as dynamo and AOTAutograd
@@ -181,6 +182,12 @@ def _still_unswitched() -> list[WorkerGraph]:
     # Called with _lock held: drops the graphs that switched (step_started runs every step).
     _unswitched[:] = [graph for graph in _unswitched if graph.future is not None]
     return _unswitched
+
+
+def graphs_loaded() -> int:
+    """Graphs (of every model in this process) compiled in a worker and loaded here since the
+    process started."""
+    return _loaded
 
 
 def wait() -> int:
@@ -417,6 +424,7 @@ class WorkerGraph:
             return self._gm(*inputs)
 
     def _switch(self) -> None:
+        global _loaded
         with self._switch_lock:
             future, self.future = self.future, None
             if future is None:
@@ -444,6 +452,7 @@ class WorkerGraph:
                 warn(f"{self._label} did not compile in a worker ({problem}); compiled in this process ({seconds:.1f} s)")
                 return
             self._stats.worker_graphs_compiled += 1
+            _loaded += 1
             logger.info(
                 "%s: back from a compile worker, loaded from the caches in %.1f s (%d of %d graphs handed to the workers)",
                 self._label,

@@ -422,6 +422,7 @@ class Launch:
         self.acceleration: Acceleration | None = None
         self.compile_cache: RunCompileCache | None = None
         self._reported_first_step = False
+        self._save_when_workers_done = False
 
     def watch(self, parser: argparse.ArgumentParser) -> None:
         """Check the flags after every parse of `parser` (the command line, then --config_file's)."""
@@ -470,6 +471,24 @@ class Launch:
             )
         atexit.register(self.report)
 
+    def step_done(self) -> None:
+        """After every backward: the first step's report, then the run's compiled graphs saved
+        once every graph handed to the compile workers runs compiled (only then is it here to save)."""
+        if not self._reported_first_step:
+            self.first_step_done()
+        elif self._save_when_workers_done and self._graphs_in_workers() == 0:
+            self._save_when_workers_done = False
+            saved = self.compile_cache.save()
+            _say(
+                "the compile workers' graphs all run compiled"
+                + (f"; compiled graphs saved to {self.compile_cache.path}" if saved else "")
+            )
+
+    def _graphs_in_workers(self) -> int:
+        """Graphs handed to the compile workers that do not run compiled yet."""
+        stats = self.acceleration.stats()
+        return stats["worker_graphs_started"] - stats["worker_graphs_compiled"] - len(stats["worker_failures"])
+
     def first_step_done(self) -> None:
         """Once, after the first backward: what compiling cost, and what auto chose."""
         if self.acceleration is None or self._reported_first_step:
@@ -481,12 +500,16 @@ class Launch:
         if auto:
             offload = f" at {auto['offload_name']} {auto['offload']:g}" if auto["offload_name"] else ""
             chose = f"; auto chose budget {auto['budget']}{offload}{' (cached)' if auto['cached'] else ''}"
+        waiting = self._graphs_in_workers()
         cache = ""
         if self.compile_cache is not None and self.compile_cache.path is not None:
             loaded = "loaded from" if self.compile_cache.loaded else "not yet in"
-            saved = self.compile_cache.save()
-            cache = f"; compiled graphs {loaded} {self.compile_cache.path}{', saved there' if saved else ''}"
-        waiting = stats["worker_graphs_started"] - stats["worker_graphs_compiled"] - len(stats["worker_failures"])
+            if waiting:  # saved now, the file would lack them
+                self._save_when_workers_done = True
+                saved = ", saved there once the compile workers' graphs run compiled"
+            else:
+                saved = ", saved there" if self.compile_cache.save() else ""
+            cache = f"; compiled graphs {loaded} {self.compile_cache.path}{saved}"
         workers = (
             f"; {waiting} graphs from the compile workers not running compiled yet (run uncompiled until then; "
             "the compile_accel log says when each does)"
@@ -532,7 +555,7 @@ def _install_hooks(launch: Launch) -> None:
 
     def backward_reported(accelerator: Accelerator, *args: Any, **kwargs: Any) -> Any:
         result = backward(accelerator, *args, **kwargs)
-        launch.first_step_done()
+        launch.step_done()
         return result
 
     train_util.add_training_arguments = add_training_arguments_and_ours

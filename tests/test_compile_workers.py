@@ -141,12 +141,15 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         finally:  # else a failure here leaves graphs that never come back for later tests to wait on
             gate.open()
         record["still_compiling"] = compile_workers.wait()
+        loaded_before, artifacts_before = compile_workers.graphs_loaded(), _aot_cache_artifacts()
         record["pending_after_wait"] = compile_workers.pending()
         record["running_after_wait"] = compile_workers.running()  # the first step is not done yet
         compile_workers.first_step_done()
         record["running_after_first_step"] = compile_workers.running()
         train(2)  # the step that switches to the workers' graphs, then one on them
         record["pending_after_switch"] = compile_workers.pending()
+        record["graphs_loaded"] = compile_workers.graphs_loaded() - loaded_before
+        record["aot_artifacts_added"] = _aot_cache_artifacts() - artifacts_before
         record["after"] = acceleration.stats()
         record["uncompiled_steps"] = uncompiled_steps
         record["params"] = max(relative_error(p, e) for p, e in zip(params, eager_params, strict=True))
@@ -156,6 +159,12 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         torch._dynamo.reset()
         clear_caches()
     clear_caches()
+
+
+def _aot_cache_artifacts() -> int:
+    """AOTAutograd entries among the cache artifacts this process would save now."""
+    saved = torch.compiler.save_cache_artifacts()
+    return 0 if saved is None else len(saved[1].aot_autograd_artifacts)
 
 
 def test_training_with_workers_matches_eager_before_and_after_the_compiled_graphs_arrive(trained: dict) -> None:
@@ -183,6 +192,10 @@ def test_training_with_workers_matches_eager_before_and_after_the_compiled_graph
     assert trained["aot_counters"].get("autograd_cache_miss", 0) == after["worker_graphs_started"]
     assert trained["aot_counters"].get("autograd_cache_hit", 0) == after["worker_graphs_started"]
     assert trained["inductor_counters"].get("fxgraph_cache_miss", 0) == 0
+    # Loaded here, each is counted (the launcher's run cache saves then) and is in this process's
+    # cache artifacts (torch records a cache hit's entry too); it was not before.
+    assert trained["graphs_loaded"] == after["worker_graphs_started"]
+    assert trained["aot_artifacts_added"] == after["worker_graphs_started"]
     # Parity on every step, uncompiled (the first three) and compiled (the last two).
     assert trained["uncompiled_steps"] == 3 and len(trained["loss"]) == 5
     assert max(trained["loss"]) < TOLERANCE, trained["loss"]

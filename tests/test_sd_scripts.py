@@ -347,6 +347,33 @@ def test_the_first_step_says_how_many_graphs_are_still_compiling_in_the_workers(
     )
 
 
+@pytest.mark.skipif(not HAS_CACHE_ARTIFACTS, reason="torch without cache artifacts")
+def test_the_runs_compiled_graphs_are_saved_once_the_workers_graphs_run_compiled(
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+    launch = accel.Launch()
+    launch.acceleration = compile_accel.apply(model, CompileConfig(mode="off"), blocks=[model])
+    launch.compile_cache = RunCompileCache(model, launch.acceleration.signature)
+    launch.compile_cache._first_forward(model, (torch.randn(1, 2),), {})
+    saves = []
+    monkeypatch.setattr(launch.compile_cache, "save", lambda: saves.append(1) or 100)
+    stats = launch.acceleration._stats
+    stats.worker_graphs_started = 2
+    launch.step_done()  # the first step: both graphs still in the workers, nothing saved
+    stats.worker_graphs_compiled = 1
+    launch.step_done()  # one still out
+    assert saves == []
+    stats.worker_failures = ["graph 1/0: failed"]  # compiled here instead: none is out
+    launch.step_done()
+    launch.step_done()
+    assert saves == [1]
+    err = capsys.readouterr().err
+    path = launch.compile_cache.path
+    assert f"{path}, saved there once the compile workers' graphs run compiled" in err  # loaded or not yet in it
+    assert err.count(f"the compile workers' graphs all run compiled; compiled graphs saved to {path}") == 1
+
+
 def test_no_compiler_stops_a_budget_and_lets_selective_train_eager() -> None:
     import torch._inductor.config
 
