@@ -282,6 +282,10 @@ def _positive_int(text: str) -> int:
 
 
 _DYNAMIC = {"auto": None, "true": True, "false": False}
+# A first step that compiled this long without --compile_workers gets a hint to use them: with
+# workers sd-scripts' models reached their first step in 5-15 s (benchmarks/results/
+# h200_workers_every_family/), compiling in process took 20-294 s.
+WORKERS_HINT_SECONDS = 20.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -510,15 +514,23 @@ class Launch:
             else:
                 saved = ", saved there" if self.compile_cache.save() else ""
             cache = f"; compiled graphs {loaded} {self.compile_cache.path}{saved}"
-        workers = (
-            f"; {waiting} graphs from the compile workers not running compiled yet (run uncompiled until then; "
-            "the compile_accel log says when each does)"
-            if waiting
-            else ""
-        )
+        times = self.acceleration.compile_times()
+        could_use_workers = not self.acceleration.config.compile_workers and compile_workers.SUPPORTED
+        if waiting:
+            workers = (
+                f"; {waiting} graphs from the compile workers not running compiled yet (run uncompiled until then; "
+                "the compile_accel log says when each does)"
+            )
+        elif could_use_workers and times.total_s >= WORKERS_HINT_SECONDS:
+            workers = (
+                f"; --compile_workers {max(1, min(8, (os.cpu_count() or 2) // 2))} would compile the graphs in worker "
+                "processes while the first steps run them uncompiled (a first step in seconds)"
+            )
+        else:
+            workers = ""
         compile_workers.first_step_done()  # the pool stops once its graphs are back
         _say(
-            f"first step done: {self.acceleration.compile_times().summary()}; {stats['unique_graphs']} "
+            f"first step done: {times.summary()}; {stats['unique_graphs']} "
             f"graphs, {stats['recompiles']} recompiles, {len(stats['fallbacks'])} fallbacks{chose}{cache}{workers}"
         )
 

@@ -26,6 +26,7 @@ from conftest import as_close_as_eager, relative_error
 import compile_accel
 from compile_accel import CompileConfig, compile_workers
 from compile_accel.compile_cache import RunCompileCache
+from compile_accel.compile_profile import PHASES, CompileTimes
 from compile_accel.dynamo_settings import HAS_CACHE_ARTIFACTS
 from compile_accel.integrations import sd_scripts as accel
 
@@ -372,6 +373,23 @@ def test_the_runs_compiled_graphs_are_saved_once_the_workers_graphs_run_compiled
     path = launch.compile_cache.path
     assert f"{path}, saved there once the compile workers' graphs run compiled" in err  # loaded or not yet in it
     assert err.count(f"the compile workers' graphs all run compiled; compiled graphs saved to {path}") == 1
+
+
+@pytest.mark.parametrize("workers, seconds, hinted", [(None, 25.0, True), (None, 5.0, False), (4, 25.0, False)])
+def test_a_long_first_compile_without_workers_says_how_to_shorten_it(
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, workers: int | None, seconds: float, hinted: bool
+) -> None:
+    model = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+    launch = accel.Launch()
+    launch.acceleration = compile_accel.apply(model, CompileConfig(mode="off"), blocks=[model])
+    launch.acceleration.config.compile_workers = workers or 0
+    times = CompileTimes(dict.fromkeys(PHASES, 0.0) | {"dynamo": seconds}, 0.0, 1, 0, 0)
+    monkeypatch.setattr(launch.acceleration, "compile_times", lambda: times)
+    monkeypatch.setattr(accel.compile_workers, "SUPPORTED", True)
+    monkeypatch.setattr(accel.os, "cpu_count", lambda: 6)
+    launch.first_step_done()
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "first step done" in line]
+    assert ("; --compile_workers 3 would compile the graphs in worker processes" in line) == hinted
 
 
 def test_no_compiler_stops_a_budget_and_lets_selective_train_eager() -> None:
