@@ -8,9 +8,12 @@ from dataclasses import dataclass
 
 from compile_accel import CompileConfig
 
+CUDA_GRAPHS = "+cudagraphs"  # compile_mode="reduce-overhead": each compiled graph replayed as a CUDA graph
+
 MODES_HELP = (
     "eager, eager+ckpt, whole+ckpt, selective+ckpt, blocks+ckpt, blocks+budget=B, blocks+auto; each optionally "
-    "followed by +offload=F[+act][+int8], +ddp=N or +split=N"
+    "followed by +offload=F[+act][+int8], +ddp=N or +split=N; blocks+budget=B alone optionally followed by "
+    "+cudagraphs"
 )
 
 # With no --modes: the library's main job (docs/bench.md), eager+ckpt first as the baseline of the "vs" column.
@@ -60,8 +63,21 @@ def parse_mode(spec: str) -> ModeSpec:
         if found:
             counts[key] = _parse_count(spec, value)
     base, _, offload = rest.partition("+offload=")
-    mode = _parse_compile_mode(base)
+    cuda_graphs = base.endswith(CUDA_GRAPHS)
+    mode = _parse_compile_mode(base.removesuffix(CUDA_GRAPHS))
     mode.name = spec
+    if cuda_graphs:
+        # A CUDA graph records the blocks' weights where they are: moved (offload, another GPU),
+        # it records again. auto measures peaks that CUDA graphs' memory pools keep apart. Under
+        # the model's checkpointing (selective+ckpt, blocks+ckpt) the recompute read outputs a
+        # later replay had overwritten (sd-scripts' SDXL, torch 2.11, on an H200).
+        budget = mode.config.activation_memory_budget
+        if not isinstance(budget, float) or offload or counts:
+            raise ValueError(
+                f"mode {spec!r}: {CUDA_GRAPHS} goes after blocks+budget=B, with no +offload, +ddp or +split"
+            )
+        mode.config.compile_mode = "reduce-overhead"
+        mode.config.validate()
     if offload:
         mode.offload = _parse_offload(spec, offload)
     if len(counts) > 1 or (counts and mode.offload is not None):

@@ -142,6 +142,7 @@ def _refuse(message: str) -> int:
 def _sd_scripts_option_refusal(args: argparse.Namespace, specs: list[ModeSpec]) -> str | None:
     """Why --fp8-base or --blocks-to-swap cannot run with this model and these modes, or None."""
     from .benchmarks.models import BLOCK_SWAP_MODELS, SD_SCRIPTS_MODELS
+    from .config import CUDA_GRAPH_MODES
 
     if args.fp8_base and args.model not in SD_SCRIPTS_MODELS:
         return f"--fp8-base is sd-scripts' --fp8_base, for {', '.join(SD_SCRIPTS_MODELS)}; not for {args.model}"
@@ -152,6 +153,12 @@ def _sd_scripts_option_refusal(args: argparse.Namespace, specs: list[ModeSpec]) 
     moving = [s.name for s in specs if s.offload is not None or s.ddp > 1 or s.split > 1]
     if moving:
         return f"--blocks-to-swap moves the blocks itself; {moving[0]} moves them too (+offload, +ddp, +split)"
+    recording = [s.name for s in specs if s.config.compile_mode in CUDA_GRAPH_MODES]
+    if recording:
+        return (
+            f"--blocks-to-swap moves the blocks' weights every step; {recording[0]} records them where they are "
+            "(CUDA graphs) and would record again at every move"
+        )
     return None
 
 

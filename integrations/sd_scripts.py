@@ -346,6 +346,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "step takes seconds instead of minutes; each worker holds ~0.5 GiB of GPU memory until every graph is "
             "back (not on Windows)",
         )
+        group.add_argument(
+            "--compile_cuda_graphs",
+            action="store_true",
+            help="with --activation_memory_budget B: replay each compiled block as a CUDA graph (inductor's "
+            "reduce-overhead mode), one launch instead of hundreds, for steps bound by kernel launches (SDXL with "
+            "LoRA); not with --blocks_to_swap (moved weights are recorded again at every move)",
+        )
     except argparse.ArgumentError as error:
         raise LaunchError(
             f"this sd-scripts already defines {error.argument_name}: it has compile flags of its own that the "
@@ -364,10 +371,11 @@ def config_from_args(args: argparse.Namespace) -> CompileConfig | None:
             or args.compile_recompile_limit != CompileConfig.recompile_limit
             or args.no_compile_cache
             or args.compile_workers
+            or args.compile_cuda_graphs
         ):
             raise LaunchError(
-                "--compile_dynamic, --compile_recompile_limit, --no_compile_cache and --compile_workers need "
-                "--selective_torch_compile or --activation_memory_budget"
+                "--compile_dynamic, --compile_recompile_limit, --no_compile_cache, --compile_workers and "
+                "--compile_cuda_graphs need --selective_torch_compile or --activation_memory_budget"
             )
         return None
     asked = "--activation_memory_budget" if budget is not None else f"--selective_torch_compile ({SELECTIVE_ENV})"
@@ -390,6 +398,19 @@ def config_from_args(args: argparse.Namespace) -> CompileConfig | None:
         )
     if budget is not None and not HAS_BUDGET_KNOB:
         raise LaunchError(f"--activation_memory_budget needs torch >= 2.4 (this is {torch.__version__})")
+    if args.compile_cuda_graphs and getattr(args, "blocks_to_swap", None):
+        raise LaunchError(
+            "--compile_cuda_graphs records each block's weights where they are, and --blocks_to_swap moves them "
+            "every step (each move would record again); drop one"
+        )
+    if args.compile_cuda_graphs and not isinstance(budget, float):
+        # Selective mode keeps sd-scripts' checkpointing, whose recompute read outputs that a later
+        # replay had overwritten (SDXL, torch 2.11, on an H200); auto measures peaks that CUDA
+        # graphs' memory pools keep apart.
+        raise LaunchError(
+            "--compile_cuda_graphs needs --activation_memory_budget B with a number B: under gradient "
+            "checkpointing (--selective_torch_compile) CUDA graphs fail, and auto cannot measure their memory"
+        )
     return CompileConfig(
         mode="blocks" if budget is not None else "selective",
         activation_memory_budget=budget,
@@ -397,6 +418,7 @@ def config_from_args(args: argparse.Namespace) -> CompileConfig | None:
         dynamic=_DYNAMIC[args.compile_dynamic],
         recompile_limit=args.compile_recompile_limit,
         compile_workers=args.compile_workers or 0,
+        compile_mode="reduce-overhead" if args.compile_cuda_graphs else None,
     )
 
 

@@ -42,6 +42,10 @@ from compile_accel.benchmarks.runner import BenchSettings, StepResult
             ["--blocks-to-swap", "4", "--model", "sdscripts-sd3", "--modes", "blocks+ckpt+ddp=2"],
             "--blocks-to-swap moves the blocks itself; blocks+ckpt+ddp=2",
         ),
+        (
+            ["--blocks-to-swap", "4", "--model", "sdscripts-flux", "--modes", "eager+ckpt,blocks+budget=0.1+cudagraphs"],
+            "--blocks-to-swap moves the blocks' weights every step; blocks+budget=0.1+cudagraphs records them",
+        ),
         (["--vram-cap-gib", "24", "--device", "cpu"], "--vram-cap-gib caps GPU memory, and this run is on the CPU"),
     ],
 )

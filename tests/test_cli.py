@@ -242,6 +242,32 @@ def test_parse_mode(spec: str, mode: str, budget: float | None, ckpt: bool) -> N
     assert (parsed.config.mode, parsed.config.activation_memory_budget, parsed.checkpointing) == (mode, budget, ckpt)
 
 
+@pytest.mark.parametrize("spec", ["blocks+budget=0.1", "blocks+budget=1.0"])
+def test_cudagraphs_turns_on_inductors_cuda_graphs_for_a_budget_mode(spec: str) -> None:
+    plain, recorded = parse_mode(spec), parse_mode(spec + "+cudagraphs")
+    assert (plain.config.compile_mode, recorded.config.compile_mode) == (None, "reduce-overhead")
+    assert recorded.name == spec + "+cudagraphs"
+    plain.config.compile_mode = "reduce-overhead"  # otherwise the same mode
+    assert (recorded.config, recorded.checkpointing) == (plain.config, plain.checkpointing)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "eager+ckpt+cudagraphs",
+        "selective+ckpt+cudagraphs",
+        "blocks+ckpt+cudagraphs",
+        "blocks+auto+cudagraphs",
+        "blocks+budget=0.1+cudagraphs+offload=0.5",
+        "blocks+budget=0.1+cudagraphs+ddp=2",
+        "blocks+budget=0.1+cudagraphs+split=2",
+    ],
+)
+def test_cudagraphs_is_refused_where_nothing_is_compiled_checkpointing_runs_or_weights_move(spec: str) -> None:
+    with pytest.raises(ValueError, match="goes after blocks\\+budget=B, with no"):
+        parse_mode(spec)
+
+
 def test_parse_mode_rejects_out_of_range_budget() -> None:
     with pytest.raises(ValueError, match=r"\[0.0, 1.0\]"):
         parse_mode("blocks+budget=1.5")

@@ -195,6 +195,22 @@ def test_bad_budget_is_an_argparse_error(value: str) -> None:
         (["--activation_memory_budget", "0.3"], {"deepspeed": True}, "does not support --deepspeed"),
         (["--compile_dynamic", "true"], {}, "need --selective_torch_compile or --activation_memory_budget"),
         (["--compile_workers", "4"], {}, "need --selective_torch_compile or --activation_memory_budget"),
+        (["--compile_cuda_graphs"], {}, "need --selective_torch_compile or --activation_memory_budget"),
+        (
+            ["--activation_memory_budget", "0.3", "--compile_cuda_graphs"],
+            {"blocks_to_swap": 8},
+            "--blocks_to_swap moves them every step",
+        ),
+        (
+            ["--activation_memory_budget", "auto", "--compile_cuda_graphs"],
+            {},
+            "--compile_cuda_graphs needs --activation_memory_budget B with a number B",
+        ),
+        (
+            ["--selective_torch_compile", "--compile_cuda_graphs"],
+            {},
+            "under gradient checkpointing \\(--selective_torch_compile\\) CUDA graphs fail",
+        ),
     ],
 )
 def test_combinations_that_cannot_work_are_refused(argv: list[str], flags: dict, message: str) -> None:
@@ -241,6 +257,12 @@ def test_auto_and_the_original_pull_requests_variable_become_the_compile_config(
     monkeypatch.setenv(accel.BUDGET_ENV, "most")
     with pytest.raises(SystemExit):
         _parse()
+
+
+def test_cuda_graphs_flag_becomes_inductors_reduce_overhead_mode() -> None:
+    assert accel.config_from_args(_parse("--selective_torch_compile")).compile_mode is None
+    config = accel.config_from_args(_parse("--activation_memory_budget", "0.1", "--compile_cuda_graphs"))
+    assert (config.activation_memory_budget, config.compile_mode) == (0.1, "reduce-overhead")
 
 
 def test_flags_become_the_compile_config(monkeypatch: pytest.MonkeyPatch) -> None:
