@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from compile_accel import CompileConfig
+from compile_accel.config import cuda_graph_refusal
 
 CUDA_GRAPHS = "+cudagraphs"  # compile_mode="reduce-overhead": each compiled graph replayed as a CUDA graph
 
@@ -67,17 +68,11 @@ def parse_mode(spec: str) -> ModeSpec:
     mode = _parse_compile_mode(base.removesuffix(CUDA_GRAPHS))
     mode.name = spec
     if cuda_graphs:
-        # A CUDA graph records the blocks' weights where they are: moved (offload, another GPU),
-        # it records again. auto measures peaks that CUDA graphs' memory pools keep apart. Under
-        # the model's checkpointing (selective+ckpt, blocks+ckpt) the recompute read outputs a
-        # later replay had overwritten (sd-scripts' SDXL, torch 2.11, on an H200).
-        budget = mode.config.activation_memory_budget
-        if not isinstance(budget, float) or offload or counts:
-            raise ValueError(
-                f"mode {spec!r}: {CUDA_GRAPHS} goes after blocks+budget=B, with no +offload, +ddp or +split"
-            )
+        moved_by = "+offload" if offload else next((f"+{key}" for key in counts), None)
+        refusal = cuda_graph_refusal(mode.config, moved_by)
+        if refusal:
+            raise ValueError(f"mode {spec!r}: {CUDA_GRAPHS} goes after blocks+budget=B alone: {refusal}")
         mode.config.compile_mode = "reduce-overhead"
-        mode.config.validate()
     if offload:
         mode.offload = _parse_offload(spec, offload)
     if len(counts) > 1 or (counts and mode.offload is not None):

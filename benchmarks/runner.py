@@ -462,6 +462,8 @@ def run_ab(
         with tempfile.TemporaryDirectory(prefix="compile_accel_bench_", ignore_cleanup_errors=True) as cache:
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache} if warm else os.environ.copy()
             log = None if log_dir is None else log_dir / f"{mode}.log"
+            if log is not None:
+                log.unlink(missing_ok=True)  # an earlier bench's into the same --out
             result = _run_child(mode, settings, env, log)
             if warm and "oom" not in result:
                 again = _run_child(mode, dataclasses.replace(settings, steps=1, warmup=0), env, log)

@@ -142,7 +142,7 @@ def _refuse(message: str) -> int:
 def _sd_scripts_option_refusal(args: argparse.Namespace, specs: list[ModeSpec]) -> str | None:
     """Why --fp8-base or --blocks-to-swap cannot run with this model and these modes, or None."""
     from .benchmarks.models import BLOCK_SWAP_MODELS, SD_SCRIPTS_MODELS
-    from .config import CUDA_GRAPH_MODES
+    from .config import CUDA_GRAPH_MODES, cuda_graph_refusal
 
     if args.fp8_base and args.model not in SD_SCRIPTS_MODELS:
         return f"--fp8-base is sd-scripts' --fp8_base, for {', '.join(SD_SCRIPTS_MODELS)}; not for {args.model}"
@@ -153,12 +153,9 @@ def _sd_scripts_option_refusal(args: argparse.Namespace, specs: list[ModeSpec]) 
     moving = [s.name for s in specs if s.offload is not None or s.ddp > 1 or s.split > 1]
     if moving:
         return f"--blocks-to-swap moves the blocks itself; {moving[0]} moves them too (+offload, +ddp, +split)"
-    recording = [s.name for s in specs if s.config.compile_mode in CUDA_GRAPH_MODES]
+    recording = [s for s in specs if s.config.compile_mode in CUDA_GRAPH_MODES]
     if recording:
-        return (
-            f"--blocks-to-swap moves the blocks' weights every step; {recording[0]} records them where they are "
-            "(CUDA graphs) and would record again at every move"
-        )
+        return f"{recording[0].name}: {cuda_graph_refusal(recording[0].config, '--blocks-to-swap')}"
     return None
 
 
@@ -191,6 +188,7 @@ def bench(args: argparse.Namespace) -> int:
     from .benchmarks import runner
     from .benchmarks.modes import DEFAULT_MODES, parse_mode
     from .benchmarks.report import markdown_table, measured
+    from .config import CUDA_GRAPH_MODES
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     modes = args.modes.split(",") if args.modes else DEFAULT_MODES
@@ -207,6 +205,9 @@ def bench(args: argparse.Namespace) -> int:
     refusal = _sd_scripts_option_refusal(args, specs) or _vram_cap_refusal(args, device)
     if refusal:
         return _refuse(refusal)
+    recording = [s.name for s in specs if s.config.compile_mode in CUDA_GRAPH_MODES]
+    if recording and device == "cpu":
+        return _refuse(f"{recording[0]} records CUDA graphs, and this run is on the CPU")
     settings = runner.BenchSettings.from_args(args, device)
     out = Path(args.out) if args.out else None
     if out is not None:

@@ -11,8 +11,9 @@ same settings; anything else compiles as usual.
 `save_compile_cache` / `load_compile_cache` work with a file you name. `RunCompileCache` keeps
 one file per run in the user's cache directory (compile_accel.cache_files: model, what is
 compiled and how, input shapes, GPU, torch version), loads it on the model's first forward and
-saves it after the first step (the sd-scripts launcher, which uses it, saves it once the graphs
-handed to compile workers run compiled: a graph is in the artifacts once this process loaded it).
+saves it after the first step (the sd-scripts launcher, which uses it, saves it again once the
+graphs then in the compile workers run compiled: a graph is in the artifacts once this process
+loaded it).
 """
 
 from __future__ import annotations
@@ -118,5 +119,5 @@ class RunCompileCache:
 
 
 def _graphs_compiled() -> int:
-    """Graphs compiled in this process, and those compiled in the compile workers and loaded here."""
-    return torch._dynamo.utils.counters["inductor"]["fxgraph_cache_miss"] + compile_workers.graphs_loaded()
+    """Graphs compiled in this process, and those handed to the compile workers that run here now."""
+    return torch._dynamo.utils.counters["inductor"]["fxgraph_cache_miss"] + compile_workers.graphs_switched()

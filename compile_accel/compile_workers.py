@@ -83,7 +83,7 @@ _pool: Any = None  # up from start() or the first graph handed over until idle (
 _out: list[concurrent.futures.Future] = []  # the running pool's graphs not yet back
 _unswitched: list[WorkerGraph] = []  # handed to the workers, not yet running compiled
 _first_step_done = False  # set by first_step_done(), for the rest of the process
-_loaded = 0  # graphs back from the workers and loaded here, for the rest of the process
+_switched = 0  # graphs handed to the workers that run compiled here now, for the rest of the process
 _last_back = 0.0  # time.monotonic() when a graph last came back
 # Until the first step is done, an idle pool waits this long for more graphs: a first step hands
 # its graphs over in waves (sd-scripts' SDXL: 40 s apart on an H100, as dynamo and AOTAutograd
@@ -184,10 +184,11 @@ def _still_unswitched() -> list[WorkerGraph]:
     return _unswitched
 
 
-def graphs_loaded() -> int:
-    """Graphs (of every model in this process) compiled in a worker and loaded here since the
-    process started."""
-    return _loaded
+def graphs_switched() -> int:
+    """Graphs (of every model in this process) handed to the workers that run compiled here now:
+    loaded from the caches the workers filled, or compiled here after a worker's failure."""
+    with _lock:
+        return _switched
 
 
 def wait() -> int:
@@ -424,7 +425,7 @@ class WorkerGraph:
             return self._gm(*inputs)
 
     def _switch(self) -> None:
-        global _loaded
+        global _switched
         with self._switch_lock:
             future, self.future = self.future, None
             if future is None:
@@ -444,6 +445,8 @@ class WorkerGraph:
                 self._stats.worker_failures.append(f"{self._label}: {problem or ''} {type(error).__name__}: {error}".strip())
                 warn(f"{self._label} did not compile in a worker ({problem}) nor here, and keeps running uncompiled: {error}")
                 return
+            with _lock:
+                _switched += 1
             seconds = time.perf_counter() - start
             if problem is None and _aot_cache_hits() == hits:
                 problem = "what it compiled was not found in AOTAutograd's cache"
@@ -452,7 +455,6 @@ class WorkerGraph:
                 warn(f"{self._label} did not compile in a worker ({problem}); compiled in this process ({seconds:.1f} s)")
                 return
             self._stats.worker_graphs_compiled += 1
-            _loaded += 1
             logger.info(
                 "%s: back from a compile worker, loaded from the caches in %.1f s (%d of %d graphs handed to the workers)",
                 self._label,

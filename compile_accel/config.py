@@ -146,3 +146,22 @@ class CompileConfig:
             )
         if not isinstance(self.exclude, (list, tuple)) or not all(isinstance(p, str) for p in self.exclude):
             raise ValueError(f"CompileConfig.exclude must be a list of glob patterns, got {self.exclude!r}")
+
+
+def cuda_graph_refusal(config: CompileConfig, moved_by: str | None) -> str | None:
+    """Why CUDA graphs (a compile_mode in CUDA_GRAPH_MODES) cannot serve `config`, or None; the
+    bench and the sd-scripts launcher refuse with it. moved_by: what moves the blocks' weights
+    between steps (offloading, block swap, other GPUs), if anything."""
+    budget = config.activation_memory_budget
+    if config.mode != "blocks" or isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        # Under the model's own checkpointing the recompute read outputs a later replay had
+        # overwritten (sd-scripts' SDXL, torch 2.11, on an H200); auto measures peaks that the
+        # graphs' memory pools keep apart.
+        return (
+            "CUDA graphs need whole blocks under a numeric activation memory budget: under the model's "
+            "gradient checkpointing (selective mode) they fail, and auto cannot measure their memory"
+        )
+    if moved_by:
+        return f"a CUDA graph records the blocks' weights where they are, and {moved_by} moves them every step"
+    return None
+

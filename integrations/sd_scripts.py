@@ -44,6 +44,7 @@ from compile_accel.api import apply_adapter
 from compile_accel.auto_budget import OffloadLadder, spaced_levels
 from compile_accel.blocks import UNET_BLOCK_LISTS
 from compile_accel.compile_cache import RunCompileCache
+from compile_accel.config import cuda_graph_refusal
 from compile_accel.dynamo_settings import HAS_BUDGET_KNOB, HAS_CACHE_ARTIFACTS, cpp_compiler
 from compile_accel.memory import gib_argument
 from compile_accel.patching import ModuleFunctionPatch
@@ -398,28 +399,20 @@ def config_from_args(args: argparse.Namespace) -> CompileConfig | None:
         )
     if budget is not None and not HAS_BUDGET_KNOB:
         raise LaunchError(f"--activation_memory_budget needs torch >= 2.4 (this is {torch.__version__})")
-    if args.compile_cuda_graphs and getattr(args, "blocks_to_swap", None):
-        raise LaunchError(
-            "--compile_cuda_graphs records each block's weights where they are, and --blocks_to_swap moves them "
-            "every step (each move would record again); drop one"
-        )
-    if args.compile_cuda_graphs and not isinstance(budget, float):
-        # Selective mode keeps sd-scripts' checkpointing, whose recompute read outputs that a later
-        # replay had overwritten (SDXL, torch 2.11, on an H200); auto measures peaks that CUDA
-        # graphs' memory pools keep apart.
-        raise LaunchError(
-            "--compile_cuda_graphs needs --activation_memory_budget B with a number B: under gradient "
-            "checkpointing (--selective_torch_compile) CUDA graphs fail, and auto cannot measure their memory"
-        )
-    return CompileConfig(
+    config = CompileConfig(
         mode="blocks" if budget is not None else "selective",
         activation_memory_budget=budget,
         vram_limit_gib=args.vram_limit_gib,
         dynamic=_DYNAMIC[args.compile_dynamic],
         recompile_limit=args.compile_recompile_limit,
         compile_workers=args.compile_workers or 0,
-        compile_mode="reduce-overhead" if args.compile_cuda_graphs else None,
     )
+    if args.compile_cuda_graphs:
+        refusal = cuda_graph_refusal(config, "--blocks_to_swap" if getattr(args, "blocks_to_swap", None) else None)
+        if refusal:
+            raise LaunchError(f"--compile_cuda_graphs: {refusal}")
+        config.compile_mode = "reduce-overhead"
+    return config
 
 
 # ---- the launch ---------------------------------------------------------------------------
@@ -448,7 +441,9 @@ class Launch:
         self.acceleration: Acceleration | None = None
         self.compile_cache: RunCompileCache | None = None
         self._reported_first_step = False
-        self._save_when_workers_done = False
+        # Graphs out in the compile workers at the first step: once as many are back and running
+        # compiled, the run's cache file is saved again (the first step's save lacks them).
+        self._resave_after: int | None = None
 
     def watch(self, parser: argparse.ArgumentParser) -> None:
         """Check the flags after every parse of `parser` (the command line, then --config_file's)."""
@@ -498,22 +493,26 @@ class Launch:
         atexit.register(self.report)
 
     def step_done(self) -> None:
-        """After every backward: the first step's report, then the run's compiled graphs saved
-        once every graph handed to the compile workers runs compiled (only then is it here to save)."""
+        """After every backward: the first step's report, then the run's cache file saved again
+        once the graphs that were in the compile workers at the first step run compiled."""
         if not self._reported_first_step:
             self.first_step_done()
-        elif self._save_when_workers_done and self._graphs_in_workers() == 0:
-            self._save_when_workers_done = False
-            saved = self.compile_cache.save()
-            _say(
-                "the compile workers' graphs all run compiled"
-                + (f"; compiled graphs saved to {self.compile_cache.path}" if saved else "")
-            )
+        elif self._resave_after is not None and self._graphs_back() >= self._resave_after:
+            self._resave()
 
-    def _graphs_in_workers(self) -> int:
-        """Graphs handed to the compile workers that do not run compiled yet."""
+    def _graphs_back(self) -> int:
+        """Graphs handed to the compile workers that run compiled now (or failed there)."""
         stats = self.acceleration.stats()
-        return stats["worker_graphs_started"] - stats["worker_graphs_compiled"] - len(stats["worker_failures"])
+        return stats["worker_graphs_compiled"] + len(stats["worker_failures"])
+
+    def _resave(self) -> None:
+        self._resave_after = None
+        stats = self.acceleration.stats()
+        saved = self.compile_cache.save()
+        _say(
+            f"{stats['worker_graphs_compiled']} of {stats['worker_graphs_started']} graphs from the compile workers "
+            "run compiled" + (f"; compiled graphs saved to {self.compile_cache.path}" if saved else "")
+        )
 
     def first_step_done(self) -> None:
         """Once, after the first backward: what compiling cost, and what auto chose."""
@@ -526,15 +525,14 @@ class Launch:
         if auto:
             offload = f" at {auto['offload_name']} {auto['offload']:g}" if auto["offload_name"] else ""
             chose = f"; auto chose budget {auto['budget']}{offload}{' (cached)' if auto['cached'] else ''}"
-        waiting = self._graphs_in_workers()
+        waiting = stats["worker_graphs_started"] - self._graphs_back()
         cache = ""
         if self.compile_cache is not None and self.compile_cache.path is not None:
             loaded = "loaded from" if self.compile_cache.loaded else "not yet in"
-            if waiting:  # saved now, the file would lack them
-                self._save_when_workers_done = True
-                saved = ", saved there once the compile workers' graphs run compiled"
-            else:
-                saved = ", saved there" if self.compile_cache.save() else ""
+            saved = ", saved there" if self.compile_cache.save() else ""
+            if waiting:  # the file lacks them: saved again once they are back
+                self._resave_after = stats["worker_graphs_started"]
+                saved += " (again once the compile workers' graphs run compiled)"
             cache = f"; compiled graphs {loaded} {self.compile_cache.path}{saved}"
         times = self.acceleration.compile_times()
         could_use_workers = not self.acceleration.config.compile_workers and compile_workers.SUPPORTED
@@ -546,7 +544,7 @@ class Launch:
         elif could_use_workers and times.total_s >= WORKERS_HINT_SECONDS:
             workers = (
                 f"; --compile_workers {max(1, min(8, (os.cpu_count() or 2) // 2))} would compile the graphs in worker "
-                "processes while the first steps run them uncompiled (a first step in seconds)"
+                "processes while the first steps run them uncompiled"
             )
         else:
             workers = ""
@@ -557,6 +555,8 @@ class Launch:
         )
 
     def report(self) -> None:
+        if self._resave_after is not None:  # training ended before the workers' graphs ran compiled
+            self._resave()
         stats = self.acceleration.stats()
         keys = ("compiled_regions", "unique_graphs", "recompiles", "graph_breaks", "compile_seconds", "fallbacks")
         _say(", ".join(f"{k}={stats[k]:.1f}" if k == "compile_seconds" else f"{k}={stats[k]}" for k in keys))

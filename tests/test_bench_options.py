@@ -44,9 +44,14 @@ from compile_accel.benchmarks.runner import BenchSettings, StepResult
         ),
         (
             ["--blocks-to-swap", "4", "--model", "sdscripts-flux", "--modes", "eager+ckpt,blocks+budget=0.1+cudagraphs"],
-            "--blocks-to-swap moves the blocks' weights every step; blocks+budget=0.1+cudagraphs records them",
+            "blocks+budget=0.1+cudagraphs: a CUDA graph records the blocks' weights where they are, and "
+            "--blocks-to-swap moves them every step",
         ),
         (["--vram-cap-gib", "24", "--device", "cpu"], "--vram-cap-gib caps GPU memory, and this run is on the CPU"),
+        (
+            ["--modes", "eager+ckpt,blocks+budget=0.5+cudagraphs"],
+            "blocks+budget=0.5+cudagraphs records CUDA graphs, and this run is on the CPU",
+        ),
     ],
 )
 def test_bench_refuses_memory_options_that_cannot_apply(capsys, no_mode_runs, flags: list[str], message: str) -> None:

@@ -141,14 +141,14 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         finally:  # else a failure here leaves graphs that never come back for later tests to wait on
             gate.open()
         record["still_compiling"] = compile_workers.wait()
-        loaded_before, artifacts_before = compile_workers.graphs_loaded(), _aot_cache_artifacts()
+        switched_before, artifacts_before = compile_workers.graphs_switched(), _aot_cache_artifacts()
         record["pending_after_wait"] = compile_workers.pending()
         record["running_after_wait"] = compile_workers.running()  # the first step is not done yet
         compile_workers.first_step_done()
         record["running_after_first_step"] = compile_workers.running()
         train(2)  # the step that switches to the workers' graphs, then one on them
         record["pending_after_switch"] = compile_workers.pending()
-        record["graphs_loaded"] = compile_workers.graphs_loaded() - loaded_before
+        record["graphs_switched"] = compile_workers.graphs_switched() - switched_before
         record["aot_artifacts_added"] = _aot_cache_artifacts() - artifacts_before
         record["after"] = acceleration.stats()
         record["uncompiled_steps"] = uncompiled_steps
@@ -194,7 +194,7 @@ def test_training_with_workers_matches_eager_before_and_after_the_compiled_graph
     assert trained["inductor_counters"].get("fxgraph_cache_miss", 0) == 0
     # Loaded here, each is counted (the launcher's run cache saves then) and is in this process's
     # cache artifacts (torch records a cache hit's entry too); it was not before.
-    assert trained["graphs_loaded"] == after["worker_graphs_started"]
+    assert trained["graphs_switched"] == after["worker_graphs_started"]
     assert trained["aot_artifacts_added"] == after["worker_graphs_started"]
     # Parity on every step, uncompiled (the first three) and compiled (the last two).
     assert trained["uncompiled_steps"] == 3 and len(trained["loss"]) == 5
@@ -501,6 +501,7 @@ def test_a_graph_the_worker_did_not_put_in_the_caches_compiles_here_once_with_a_
         return lambda t: (t * 100.0,)  # tells which one ran
 
     packed = compile_workers._pack_graph(gm, inputs)
+    switched_before = compile_workers.graphs_switched()
     graph = WorkerGraph(gm, packed, compile_here, future, stats, "graph 7/0", checkpointed=False)
     torch.testing.assert_close(graph(x)[0], _sine(x), rtol=0, atol=0)  # not back: uncompiled
     if isinstance(result, Exception):
@@ -520,6 +521,8 @@ def test_a_graph_the_worker_did_not_put_in_the_caches_compiles_here_once_with_a_
     assert len(compiled_here) == 1 and compile_workers.pending() == 0
     assert len(stats.worker_failures) == 1 and stats.worker_failures[0].startswith("graph 7/0: ")
     assert stats.worker_graphs_compiled == 0
+    # Compiled here, it runs compiled: counted, so that the launcher saves its run cache again.
+    assert compile_workers.graphs_switched() == switched_before + 1
 
 
 def test_a_graph_that_compiles_neither_in_a_worker_nor_here_keeps_running_uncompiled() -> None:
@@ -531,7 +534,7 @@ def test_a_graph_that_compiles_neither_in_a_worker_nor_here_keeps_running_uncomp
     def compile_here(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
         raise _WorkerError("inductor raised here too")
 
-    stats = Stats()
+    stats, switched_before = Stats(), compile_workers.graphs_switched()
     graph = WorkerGraph(gm, compile_workers._pack_graph(gm, inputs), compile_here, future, stats, "graph 8/0", True)
     with pytest.warns(RuntimeWarning, match=r"graph 8/0 did not compile in a worker .* nor here, and keeps running "
                       r"uncompiled: inductor raised here too"):
@@ -539,6 +542,7 @@ def test_a_graph_that_compiles_neither_in_a_worker_nor_here_keeps_running_uncomp
     y = torch.randn(3, 4)
     torch.testing.assert_close(graph(y)[0], _sine(y), rtol=0, atol=0)
     assert len(stats.worker_failures) == 1 and stats.worker_graphs_compiled == 0
+    assert compile_workers.graphs_switched() == switched_before  # still uncompiled: nothing new to save
 
 
 @pytest.mark.parametrize("checkpointed", [True, False])

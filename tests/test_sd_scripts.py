@@ -199,17 +199,18 @@ def test_bad_budget_is_an_argparse_error(value: str) -> None:
         (
             ["--activation_memory_budget", "0.3", "--compile_cuda_graphs"],
             {"blocks_to_swap": 8},
-            "--blocks_to_swap moves them every step",
+            "--compile_cuda_graphs: a CUDA graph records the blocks' weights where they are, and --blocks_to_swap "
+            "moves them every step",
         ),
         (
             ["--activation_memory_budget", "auto", "--compile_cuda_graphs"],
             {},
-            "--compile_cuda_graphs needs --activation_memory_budget B with a number B",
+            "--compile_cuda_graphs: CUDA graphs need whole blocks under a numeric activation memory budget",
         ),
         (
             ["--selective_torch_compile", "--compile_cuda_graphs"],
             {},
-            "under gradient checkpointing \\(--selective_torch_compile\\) CUDA graphs fail",
+            "under the model's gradient checkpointing \\(selective mode\\) they fail",
         ),
     ],
 )
@@ -371,8 +372,9 @@ def test_the_first_step_says_how_many_graphs_are_still_compiling_in_the_workers(
 
 
 @pytest.mark.skipif(not HAS_CACHE_ARTIFACTS, reason="torch without cache artifacts")
-def test_the_runs_compiled_graphs_are_saved_once_the_workers_graphs_run_compiled(
-    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("ends_early", [False, True])
+def test_the_runs_compiled_graphs_are_saved_again_once_the_workers_graphs_run_compiled(
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, ends_early: bool
 ) -> None:
     model = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
     launch = accel.Launch()
@@ -383,18 +385,25 @@ def test_the_runs_compiled_graphs_are_saved_once_the_workers_graphs_run_compiled
     monkeypatch.setattr(launch.compile_cache, "save", lambda: saves.append(1) or 100)
     stats = launch.acceleration._stats
     stats.worker_graphs_started = 2
-    launch.step_done()  # the first step: both graphs still in the workers, nothing saved
+    launch.step_done()  # the first step: saved, both graphs still in the workers
     stats.worker_graphs_compiled = 1
     launch.step_done()  # one still out
-    assert saves == []
-    stats.worker_failures = ["graph 1/0: failed"]  # compiled here instead: none is out
-    launch.step_done()
-    launch.step_done()
     assert saves == [1]
-    err = capsys.readouterr().err
     path = launch.compile_cache.path
-    assert f"{path}, saved there once the compile workers' graphs run compiled" in err  # loaded or not yet in it
-    assert err.count(f"the compile workers' graphs all run compiled; compiled graphs saved to {path}") == 1
+    if ends_early:  # the run ends first: saved at exit with what is back
+        launch.report()
+        again = f"1 of 2 graphs from the compile workers run compiled; compiled graphs saved to {path}"
+    else:
+        stats.worker_failures = ["graph 1/0: failed"]  # compiled here instead: none is out
+        stats.worker_graphs_started = 3  # a new shape's graph, after the first step: not waited for
+        launch.step_done()
+        launch.step_done()
+        launch.report()
+        again = f"1 of 3 graphs from the compile workers run compiled; compiled graphs saved to {path}"
+    assert saves == [1, 1]
+    err = capsys.readouterr().err
+    assert f"{path}, saved there (again once the compile workers' graphs run compiled)" in err  # loaded or not
+    assert err.count(again) == 1
 
 
 @pytest.mark.parametrize("workers, seconds, hinted", [(None, 25.0, True), (None, 5.0, False), (4, 25.0, False)])
