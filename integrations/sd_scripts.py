@@ -44,7 +44,7 @@ from compile_accel.api import apply_adapter
 from compile_accel.auto_budget import OffloadLadder, spaced_levels
 from compile_accel.blocks import UNET_BLOCK_LISTS
 from compile_accel.compile_cache import RunCompileCache
-from compile_accel.config import cuda_graph_refusal
+from compile_accel.config import CUDA_GRAPH_MODES, cuda_graph_refusal
 from compile_accel.dynamo_settings import HAS_BUDGET_KNOB, HAS_CACHE_ARTIFACTS, cpp_compiler
 from compile_accel.memory import gib_argument
 from compile_accel.patching import ModuleFunctionPatch
@@ -464,6 +464,8 @@ class Launch:
         """Accelerate the run's model, once, if the flags asked for it."""
         if self.config is None or self.acceleration is not None:
             return
+        if self.config.compile_mode in CUDA_GRAPH_MODES and device.type != "cuda":
+            raise LaunchError(f"--compile_cuda_graphs records CUDA graphs, and this run's device is {device}")
         missing = _missing_compiler(device)
         if missing:
             if self.config.activation_memory_budget is not None:

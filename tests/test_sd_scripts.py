@@ -266,6 +266,15 @@ def test_cuda_graphs_flag_becomes_inductors_reduce_overhead_mode() -> None:
     assert (config.activation_memory_budget, config.compile_mode) == (0.1, "reduce-overhead")
 
 
+def test_cuda_graphs_on_a_cpu_run_are_refused_before_anything_compiles() -> None:
+    launch = accel.Launch()
+    launch.config = accel.config_from_args(_parse("--activation_memory_budget", "0.1", "--compile_cuda_graphs"))
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(accel.LaunchError, match="--compile_cuda_graphs records CUDA graphs, and this run's device is cpu"):
+        launch.accelerate(model, torch.device("cpu"))
+    assert launch.acceleration is None
+
+
 def test_flags_become_the_compile_config(monkeypatch: pytest.MonkeyPatch) -> None:
     config = accel.config_from_args(
         _parse("--activation_memory_budget", "0", "--compile_dynamic", "true", "--compile_recompile_limit", "128")
