@@ -152,8 +152,7 @@ def cuda_graph_refusal(config: CompileConfig, moved_by: str | None) -> str | Non
     """Why CUDA graphs (a compile_mode in CUDA_GRAPH_MODES) cannot serve `config`, or None; the
     bench and the sd-scripts launcher refuse with it. moved_by: what moves the blocks' weights
     between steps (offloading, block swap, other GPUs), if anything."""
-    budget = config.activation_memory_budget
-    if config.mode != "blocks" or isinstance(budget, bool) or not isinstance(budget, (int, float)):
+    if config.mode != "blocks" or config.activation_memory_budget in (None, "auto"):
         # Under the model's own checkpointing the recompute read outputs a later replay had
         # overwritten (sd-scripts' SDXL, torch 2.11, on an H200); auto measures peaks that the
         # graphs' memory pools keep apart.
@@ -164,4 +163,3 @@ def cuda_graph_refusal(config: CompileConfig, moved_by: str | None) -> str | Non
     if moved_by:
         return f"a CUDA graph records the blocks' weights where they are, and {moved_by} moves them every step"
     return None
-
