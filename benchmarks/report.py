@@ -111,10 +111,19 @@ def auto_note(report: dict[str, Any]) -> str:
         )
         notes.append(
             f"{r['mode']} chose {setting} ({'fits' if auto['fits'] else 'nothing fit'} {auto['limit_gib']:g} GiB; "
-            f"calibration {auto.get('calibration_seconds', 0):.1f} s{', cached' if auto['cached'] else ''}); "
+            f"{_calibration_time(auto)}); "
             f"predicted peak budget@offload: {predicted or 'none'}; measured: {tried}."
         )
     return "\n\n".join(notes)
+
+
+def _calibration_time(auto: dict[str, Any]) -> str:
+    if auto["cached"]:
+        return "cached"
+    seconds, waited = auto.get("calibration_seconds", 0), auto.get("waited_seconds", 0)
+    if waited < seconds - 0.05:  # the candidates' graphs compiled in the workers while training ran
+        return f"calibration {seconds:.1f} s, of which the steps waited {waited:.1f} s"
+    return f"calibration {seconds:.1f} s"
 
 
 def compile_profile_table(report: dict[str, Any]) -> str:

@@ -81,7 +81,8 @@ class Acceleration:
         "compile_times", where this process's compile time since apply() went (phase seconds and
         cache hits, compile_accel.compile_profile); with activation_memory_budget="auto", the
         calibration under "auto_budget" (None until the first training step)."""
-        stats = {"mode": self.config.mode, **self._stats.as_dict(), "compile_times": self.compile_times().as_dict()}
+        counted = self._stats if self.auto_budget is None else self.auto_budget.counted()
+        stats = {"mode": self.config.mode, **counted.as_dict(), "compile_times": self.compile_times().as_dict()}
         if self.auto_budget is not None:
             stats["auto_budget"] = self.auto_budget.result
         return stats

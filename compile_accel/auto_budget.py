@@ -17,7 +17,11 @@ The largest budget that fits is taken as the fastest: it saves more and recomput
 the bench's medians so far (benchmarks/results/h100_24gib_auto/, h100_compile_profile/) the step
 time fell as the budget rose, or stayed within 1% (SD3: budget 1.0 0.1900 s, 0.5 0.1888 s), while
 one-step calibration timings can be 10% apart at the same speed. So a calibration compiles one
-budget when the prediction is right, where timing every candidate compiled up to six. The chosen budget's graphs are the ones training then runs.
+budget when the prediction is right, where timing every candidate compiled up to six. The chosen
+budget's graphs are the ones training then runs. With compile workers
+(CompileConfig.compile_workers), the first step waits only for the prediction: the candidate's
+graphs compile in the workers while the steps run it uncompiled (under a checkpoint, so they
+save no more than the lowest budget), and it is measured at the first step after they are back.
 If none fits, the lowest peak is taken, with a warning. The table (measured and predicted) and
 the choice are logged, returned in `stats()["auto_budget"]`, and cached in a JSON file keyed by
 model (class, parameter counts, config), what is compiled and how, input shapes, device, torch
@@ -38,12 +42,13 @@ goes up: auto never keeps more blocks on the GPU than asked. Each rung is predic
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -222,9 +227,8 @@ def _run_once(run: Callable[[], None], device: torch.device, parameters: list[to
 
 
 def _measure(run: Callable[[], None], device: torch.device, parameters: list[torch.Tensor]) -> tuple[float, int]:
-    """Seconds and peak bytes of one `run` after a first (compiling) one, and after the graphs it
-    handed to compile workers are back and switched to (one more run)."""
-    run()
+    """Seconds and peak bytes of one `run`, once the candidate's graphs compiled (the run before
+    did) or came back from the compile workers and were switched to (one more run)."""
     if compile_workers.wait():
         run()
     return _run_once(run, device, parameters)
@@ -251,6 +255,30 @@ Measure = Callable[[Callable[[], None], torch.device, list[torch.Tensor]], tuple
 Predict = Callable[[Callable[[], None], torch.device, list[torch.Tensor], list[Stats], int], dict[float, int]]
 
 
+class _InWorkers(Exception):
+    """A candidate's graphs went to the compile workers: the search goes on at a later step."""
+
+
+@dataclass
+class _Search:
+    """A calibration in progress: what it measures on, and what it found so far (kept while a
+    candidate's graphs are in the compile workers)."""
+
+    run: Callable[[], None]  # the stand-in step on the calibration batch
+    device: torch.device
+    key: str
+    limit: int
+    ladder: OffloadLadder | None
+    levels: tuple[float | None, ...]  # the ladder's rungs ((None,): no ladder)
+    started: float  # time.perf_counter() at the first forward
+    waited_seconds: float = 0.0  # of the training steps, inside calibration
+    predicted: dict[float | None, dict[float, int]] = field(default_factory=dict)  # per rung, in order
+    tables: dict[int, list[Measurement]] = field(default_factory=dict)  # per rung index
+    complete: set[int] = field(default_factory=set)  # rungs measured to the end
+    in_workers: tuple[float | None, float] | None = None  # (rung, budget) whose graphs the workers compile
+    in_workers_stats: Stats | None = None  # what that budget compiled (its graphs count in it once back)
+
+
 class AutoBudget:
     """Forward pre-hook on the model root that calibrates once, on the first training call.
 
@@ -258,8 +286,15 @@ class AutoBudget:
     Acceleration to a budget, counting into `stats` (with `estimate`: traced for it, without
     inductor). `find_ladder(device)` returns the offload ladder to climb when nothing fits
     (None: there is none); it is asked at calibration, so an offloader set up after apply()
-    counts. `measure`, `predict` and `candidates` (the budgets, ascending) are replaceable for
-    tests.
+    counts. `measure`, `predict`, `candidates` (the budgets, ascending), and `handed_over` and
+    `compiling` (the compile workers' counts of graphs handed to them and not yet compiled here,
+    and of those still compiling) are replaceable for tests.
+
+    With compile workers, a candidate whose graphs went to them is measured at the first training
+    step after they are back, on the same batch; until then the training steps run at that
+    budget, uncompiled, under a checkpoint, and no graph switches to compiled before calibration
+    ran it (compile_workers.hold_switches). So the first step waits for the prediction and the
+    trace, not for the compile.
 
     A calibration that raises (Ctrl-C, an error in a candidate's step) puts the model back at
     the ladder's first rung and the lowest budget, warns, and runs again on the next training
@@ -284,17 +319,40 @@ class AutoBudget:
         self.find_ladder = find_ladder
         self.measure = measure
         self.predict: Predict = self._predict
+        self.handed_over: Callable[[], int] = compile_workers.pending
+        self.compiling: Callable[[], int] = compile_workers.compiling
         self.candidates = CANDIDATES
         self._estimate: SavedBytesEstimate | None = None  # one trace per graph serves every rung
         self.result: dict[str, Any] | None = None
+        self._search: _Search | None = None
         self._level = math.nan  # the ladder's rung the model is at (nan: not known)
         self._running = False
         self._warned_eval = False
         self.handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
 
+    @property
+    def checking(self) -> float | None:
+        """The budget whose graphs are in the compile workers, to be measured once they are back."""
+        return None if self._search is None or self._search.in_workers is None else self._search.in_workers[1]
+
+    def counted(self) -> Stats:
+        """The Acceleration's stats, with what a candidate in the compile workers compiled so far
+        (counted apart until it is measured: its graphs switch to compiled in that run)."""
+        pending = None if self._search is None else self._search.in_workers_stats
+        if pending is None:
+            return self.stats
+        counted = copy.deepcopy(self.stats)
+        counted.absorb(pending)
+        return counted
+
     def remove(self) -> None:
         """Calibrate never (Acceleration.remove() calls this)."""
         self.handle.remove()
+        if self._search is not None:
+            if self._search.in_workers_stats is not None:
+                self.stats.absorb(self._search.in_workers_stats)
+            self._search = None
+            compile_workers.hold_switches(False)
 
     def _hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._running or not torch.is_grad_enabled():
@@ -308,18 +366,83 @@ class AutoBudget:
                     "run at PyTorch's default budget without checkpointing"
                 )
             return None
-        self.handle.remove()
+        if self._search is not None and self.compiling():
+            return None  # the candidate's graphs are still in the compile workers
         self._running = True
         try:
-            self.calibrate(args, kwargs)
-        except BaseException:
-            self.handle = module.register_forward_pre_hook(self._hook, with_kwargs=True)
-            raise
+            done = self.calibrate(args, kwargs) is not None
         finally:
             self._running = False
+        if done:
+            self.handle.remove()
         return None
 
-    def calibrate(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+    def calibrate(self, args: tuple, kwargs: dict) -> dict[str, Any] | None:
+        """Calibrate on this batch; the result, or None while a candidate's graphs are in the
+        compile workers (a later call, once they are back, goes on with the first call's batch)."""
+        if self._search is None:
+            search = self._start(args, kwargs)
+            if isinstance(search, dict):
+                return search  # the cache answered
+            self._search = search
+        search = self._search
+        resumed = time.perf_counter()
+        compile_workers.hold_switches(False)  # the candidate's graphs switch in its measured step
+        counts: list[Stats] = []  # one per candidate run; every graph compiled is counted
+
+        def fastest(rung: int) -> Measurement | None:
+            if rung not in search.complete:
+                self._measure_rung(search, rung, counts)
+                search.complete.add(rung)
+            fitting = [m for m in search.tables[rung] if not m.out_of_memory and m.peak_bytes <= search.limit]
+            return min(fitting, key=lambda m: m.seconds, default=None)
+
+        try:
+            with torch.random.fork_rng(devices=[search.device] if search.device.type == "cuda" else []):
+                _climb(fastest, len(search.levels))
+            measurements = [m for rung in sorted(search.tables) for m in search.tables[rung]]
+            best, fits = choose(measurements, search.limit)
+        except _InWorkers:
+            search.waited_seconds += time.perf_counter() - resumed
+            compile_workers.hold_switches(True)
+            level, budget = search.in_workers
+            where = _setting(budget, level, search.ladder)
+            logger.info(
+                "auto: %s (predicted %.2f GiB, limit %.2f GiB) is compiling in the workers; the steps run it "
+                "uncompiled until its graphs are back, then it is timed and its peak checked",
+                where,
+                search.predicted[level][budget] / GIB,
+                search.limit / GIB,
+            )
+            return None
+        except BaseException as error:
+            self._search = None
+            self._recover(search.ladder, error)
+            raise
+        finally:
+            for run_counts in counts:
+                self.stats.absorb(run_counts)
+        self._search = None
+        entry = {
+            "budget": best.budget,
+            "fits": fits,
+            "limit_gib": round(search.limit / GIB, 3),
+            "table": [asdict(m) for m in measurements],
+            "offload": best.offload,
+            "predicted": [
+                {"budget": b, "offload": level, "peak_bytes": peak}
+                for level, peaks in search.predicted.items()
+                for b, peak in peaks.items()
+            ],
+        }
+        _write_cache(search.key, entry)
+        result = self._settle(entry, search.ladder, search.limit, cached=False)
+        result["calibration_seconds"] = round(time.perf_counter() - search.started, 2)
+        result["waited_seconds"] = round(search.waited_seconds + time.perf_counter() - resumed, 2)
+        return result
+
+    def _start(self, args: tuple, kwargs: dict) -> _Search | dict[str, Any]:
+        """A new search on this batch, or the cached result (the model set to it)."""
         inputs, device = run_inputs(args, kwargs)
         if self.limit_gib is not None:
             limit = int(self.limit_gib * GIB)
@@ -359,77 +482,57 @@ class AutoBudget:
                 for t, grad in zip(leaves, saved):
                     t.grad = grad
 
-        start = time.perf_counter()
         levels: tuple[float | None, ...] = (None,) if ladder is None else ladder.levels
-        tables: dict[int, list[Measurement]] = {}
-        predictions: list[dict[str, Any]] = []
-        counts: list[Stats] = []  # one per candidate run; every graph compiled is counted
+        return _Search(run, device, key, limit, ladder, levels, time.perf_counter())
 
-        def fastest(rung: int) -> Measurement | None:
-            if rung not in tables:
-                tables[rung] = self._measure_rung(run, device, limit, ladder, levels[rung], counts, predictions)
-            fitting = [m for m in tables[rung] if not m.out_of_memory and m.peak_bytes <= limit]
-            return min(fitting, key=lambda m: m.seconds, default=None)
-
-        try:
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                _climb(fastest, len(levels))
-            measurements = [m for rung in sorted(tables) for m in tables[rung]]
-            best, fits = choose(measurements, limit)
-        except BaseException as error:
-            self._recover(ladder, error)
-            raise
-        finally:
-            for run_counts in counts:
-                self.stats.absorb(run_counts)
-        entry = {
-            "budget": best.budget,
-            "fits": fits,
-            "limit_gib": round(limit / GIB, 3),
-            "table": [asdict(m) for m in measurements],
-            "offload": best.offload,
-            "predicted": predictions,
-        }
-        _write_cache(key, entry)
-        result = self._settle(entry, ladder, limit, cached=False)
-        result["calibration_seconds"] = round(time.perf_counter() - start, 2)
-        return result
-
-    def _measure_rung(
-        self,
-        run: Callable[[], None],
-        device: torch.device,
-        limit: int,
-        ladder: OffloadLadder | None,
-        level: float | None,
-        counts: list[Stats],
-        predictions: list[dict[str, Any]],
-    ) -> list[Measurement]:
-        """At one rung of the ladder: the candidates' peaks predicted (appended to
-        `predictions`), then the largest predicted to fit and smaller ones compiled and timed
-        until one fits; the lowest candidate when none is predicted to (module docstring)."""
-        self._go(ladder, level)
+    def _measure_rung(self, search: _Search, rung: int, counts: list[Stats]) -> None:
+        """At one rung of the ladder: the candidates' peaks predicted, then the largest predicted
+        to fit and smaller ones measured until one fits; the lowest candidate when none is
+        predicted to (module docstring). Into `search`; a rung cut short by _InWorkers goes on
+        where it stopped."""
+        level = search.levels[rung]
         parameters = [*self.model.parameters()]
-        predicted = self.predict(run, device, parameters, counts, limit)
-        predictions.extend({"budget": b, "offload": level, "peak_bytes": peak} for b, peak in predicted.items())
-        order = [b for b in reversed(self.candidates) if b in predicted and predicted[b] <= limit]
+        if level not in search.predicted:
+            self._go(search.ladder, level)
+            search.predicted[level] = self.predict(search.run, search.device, parameters, counts, search.limit)
+        predicted = search.predicted[level]
+        order = [b for b in reversed(self.candidates) if b in predicted and predicted[b] <= search.limit]
         if self.candidates[0] not in order:
             order.append(self.candidates[0])
-        table = []
+        table = search.tables.setdefault(rung, [])
         for budget in order:
-            counts.append(Stats(regions=self.stats.regions))
-            try:
-                self._go(ladder, level)
-                self.set_budget(budget, counts[-1])
-                seconds, peak = self.measure(run, device, parameters)
-            except torch.OutOfMemoryError:
-                table.append(Measurement(budget, 0.0, 0, out_of_memory=True, offload=level))
-                self._out_of_memory(device)
-                continue
-            table.append(Measurement(budget, seconds, peak, offload=level))
-            if peak <= limit:
+            measured = next((m for m in table if m.budget == budget), None) or self._measure_budget(
+                search, level, budget, parameters, counts
+            )
+            if measured not in table:
+                table.append(measured)
+            if not measured.out_of_memory and measured.peak_bytes <= search.limit:
                 break
-        return table
+
+    def _measure_budget(
+        self, search: _Search, level: float | None, budget: float, parameters: list[torch.Tensor], counts: list[Stats]
+    ) -> Measurement:
+        """Compile `budget` at `level` and measure it; _InWorkers when its graphs went to the
+        compile workers (measured when called again, once they are back)."""
+        if search.in_workers == (level, budget):
+            counts.append(search.in_workers_stats)  # its graphs switch to compiled in the measured run
+        else:
+            counts.append(Stats(regions=self.stats.regions))
+        try:
+            self._go(search.ladder, level)
+            if search.in_workers != (level, budget):
+                self.set_budget(budget, counts[-1])
+                search.run()  # compiles the budget's graphs, or hands them to the compile workers
+                if self.handed_over():
+                    search.in_workers, search.in_workers_stats = (level, budget), counts.pop()
+                    raise _InWorkers
+            search.in_workers = search.in_workers_stats = None
+            seconds, peak = self.measure(search.run, search.device, parameters)
+        except torch.OutOfMemoryError:
+            search.in_workers = search.in_workers_stats = None
+            self._out_of_memory(search.device)
+            return Measurement(budget, 0.0, 0, out_of_memory=True, offload=level)
+        return Measurement(budget, seconds, peak, offload=level)
 
     def _predict(
         self,

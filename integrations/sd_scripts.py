@@ -527,6 +527,8 @@ class Launch:
         if auto:
             offload = f" at {auto['offload_name']} {auto['offload']:g}" if auto["offload_name"] else ""
             chose = f"; auto chose budget {auto['budget']}{offload}{' (cached)' if auto['cached'] else ''}"
+        elif self.acceleration.auto_budget is not None and self.acceleration.auto_budget.checking is not None:
+            chose = f"; auto measures budget {self.acceleration.auto_budget.checking} once its graphs are compiled"
         waiting = stats["worker_graphs_started"] - self._graphs_back()
         cache = ""
         if self.compile_cache is not None and self.compile_cache.path is not None:

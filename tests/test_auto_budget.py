@@ -11,7 +11,7 @@ import torch
 from conftest import ONE_BLOCK_CLASS, build, inputs_for, lora_step, relative_error
 
 import compile_accel
-from compile_accel import CompileConfig
+from compile_accel import CompileConfig, compile_workers
 from compile_accel import BlockOffloadConductor, saved_bytes
 from compile_accel.auto_budget import CANDIDATES, GIB, AutoBudget, Measurement, OffloadLadder, cache_path, choose
 from compile_accel.memory import SavedActivationMeter
@@ -427,6 +427,69 @@ def test_nothing_fits_even_at_the_top_rung_warns_and_takes_the_lowest_peak() -> 
         training.step()
     assert (training.level, training.budget) == (12, 0.0)
     assert training.measured == [(0, 0.0), (12, 0.0)]  # nothing predicted to fit: the lowest is run
+
+
+class FakeWorkers:
+    """Compile workers for FakeTraining: each budget set hands its graph over, which compiles for
+    `steps` training steps and switches to compiled in the step that measures it."""
+
+    def __init__(self, training: FakeTraining, steps: int) -> None:
+        self.steps = steps
+        self.left = 0  # steps until the graph handed over is back
+        self.handed = 0  # graphs handed over and not compiled here yet
+        set_budget, measure = training._set_budget, training.auto.measure
+
+        def set_budget_in_workers(budget: float, stats: Stats) -> None:
+            set_budget(budget, stats)
+            self.handed, self.left = 1, self.steps
+
+        def measure_switched(run, device, parameters) -> tuple[float, int]:
+            assert self.left == 0, "measured before its graph was back"
+            self.handed = 0
+            return measure(run, device, parameters)
+
+        training.auto.set_budget = set_budget_in_workers
+        training.auto.measure = measure_switched
+        training.auto.handed_over = lambda: self.handed
+        training.auto.compiling = lambda: self.left
+
+    def step_done(self) -> None:
+        self.left = max(0, self.left - 1)
+
+
+def test_with_compile_workers_a_candidate_is_measured_at_the_first_step_after_its_graphs_are_back() -> None:
+    """The first step waits for the prediction only; the candidate runs (uncompiled) while its
+    graph compiles, graphs back from the workers are held uncompiled until calibration measured
+    them, a candidate measured over the limit hands the next one over, and the choice, the table
+    and the cache are those of a calibration without workers. Prediction 0.6 GiB too low: 0.7 is
+    predicted to fit 12.6 GiB (12.4) and measures 13.0; 0.5 measures 12.5."""
+    plain = FakeTraining(limit_gib=12.6, error_gib=-0.6)
+    plain.step()
+    cache_path().unlink()
+
+    training = FakeTraining(limit_gib=12.6, error_gib=-0.6)
+    workers = FakeWorkers(training, steps=2)
+    seen = []
+    for _ in range(6):
+        training.step()
+        workers.step_done()
+        seen.append((training.budget, training.auto.checking, compile_workers._held, training.auto.result is None))
+    assert seen == [
+        (0.7, 0.7, True, True),  # predicted, 0.7 handed over: the step ran on
+        (0.7, 0.7, True, True),  # still compiling: nothing measured
+        (0.5, 0.5, True, True),  # back: 0.7 measured over the limit, 0.5 handed over
+        (0.5, 0.5, True, True),
+        (0.5, None, False, False),  # back: 0.5 measured, fits, chosen; graphs free to switch
+        (0.5, None, False, False),  # calibrated: nothing more
+    ]
+    assert training.predicted_levels == [0]  # predicted once, not again when the search went on
+    assert training.measured == plain.measured == [(0, 0.7), (0, 0.5)]
+    result, expected = training.auto.result, plain.auto.result
+    assert {k: result[k] for k in ("budget", "fits", "table", "predicted")} == {
+        k: expected[k] for k in ("budget", "fits", "table", "predicted")
+    }
+    assert 0 <= result["waited_seconds"] <= result["calibration_seconds"]
+    assert json.loads(cache_path().read_text())  # written once chosen
 
 
 def test_interrupted_calibration_warns_counts_and_runs_again() -> None:

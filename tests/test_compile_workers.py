@@ -300,6 +300,65 @@ def test_graphs_inside_a_trainers_checkpoint_switch_between_steps_not_before_its
     clear_caches()
 
 
+def test_auto_trains_on_while_a_candidates_graphs_compile_and_measures_it_once_they_are_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """activation_memory_budget="auto" with workers: the first step predicts and hands the
+    candidate over without waiting for it; graphs back are held uncompiled (also through a step
+    while another graph is still out) until a training step's calibration runs and measures
+    them. Every step trains as eager does."""
+    from torch._inductor.utils import clear_caches
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # compiled in the workers
+    monkeypatch.setenv("COMPILE_ACCEL_CACHE_DIR", str(tmp_path / "compile_accel"))  # no cached choice
+    clear_caches()
+    torch._dynamo.reset()
+    monkeypatch.setattr(compile_workers, "_first_step_done", False)
+    seed = torch.seed()
+    torch.manual_seed(seed)
+    model, params = build("kohya", "non-reentrant", **ONE_BLOCK_CLASS)
+    torch.manual_seed(seed)
+    eager, eager_params = build("kohya", "non-reentrant", **ONE_BLOCK_CLASS)
+    config = CompileConfig(mode="blocks", activation_memory_budget="auto", vram_limit_gib=64.0, compile_workers=WORKERS)
+    acceleration = compile_accel.apply(model, config)
+    auto = acceleration.auto_budget
+    auto.candidates = (0.0, 0.5)  # 0.5 predicted to fit 64 GiB: the one handed over
+    gate = compile_workers._pool = _GatedPool(compile_workers._pool)
+    errors = []
+
+    def train() -> None:
+        inputs = inputs_for(model)
+        (loss, grads), (expected_loss, expected_grads) = lora_step(model, params, inputs), lora_step(eager, eager_params, inputs)
+        errors.append(max(relative_error(loss, expected_loss), *(relative_error(g, e) for g, e in zip(grads, expected_grads))))
+
+    try:
+        train()
+        train()
+        assert auto.result is None and auto.checking == 0.5 and compile_workers._held
+        started = acceleration.stats()["worker_graphs_started"]
+        assert started > 0 and compile_workers.pending() == started
+    finally:
+        gate.open()
+    assert compile_workers.wait() == started
+    switched = compile_workers.graphs_switched()
+    with monkeypatch.context() as patch:
+        patch.setattr(auto, "compiling", lambda: 1)  # as if another graph were still in the workers
+        train()
+    assert compile_workers.graphs_switched() == switched and auto.result is None  # held, not measured
+    train()  # the step whose calibration measures 0.5, compiled
+    result = auto.result
+    assert result["budget"] == 0.5 and result["fits"] and [row["budget"] for row in result["table"]] == [0.5]
+    assert 0 < result["waited_seconds"] < result["calibration_seconds"]
+    assert not compile_workers._held and auto.checking is None
+    stats = acceleration.stats()
+    assert stats["worker_graphs_compiled"] == started and stats["worker_failures"] == [] and stats["recompiles"] == 0
+    train()
+    assert max(errors) < TOLERANCE, errors
+    acceleration.remove()
+    torch._dynamo.reset()
+    clear_caches()
+
+
 class _FakePool:
     """SubprocPool's part that compile_workers uses, its futures finished by hand."""
 
