@@ -17,7 +17,7 @@ from .auto_budget import AutoBudget, OffloadLadder
 from .saved_bytes import SavedBytesEstimate
 from .blocks import BlockList, resolve_block_lists
 from . import compile_workers
-from .backend import prefetch_cache_keys, start_compile_workers
+from .backend import start_compile_workers
 from .compile_profile import CompileClock, CompileTimes
 from .config import CompileConfig
 from .offload import offload_fraction_ladder
@@ -283,7 +283,6 @@ def _compile_blocks(
         region.install()
     if regions and config.backend == "inductor":
         start_compile_workers()
-        prefetch_cache_keys()
         if config.compile_workers:
             compile_workers.start(config.compile_workers)
     acceleration = Acceleration(model, config, block_lists, regions, eager_patches, switches, stats)

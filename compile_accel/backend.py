@@ -117,26 +117,6 @@ def start_compile_workers() -> None:
         warm_pool()
 
 
-def prefetch_cache_keys() -> None:
-    """Start computing now, in a background thread, the part of every inductor and AOTAutograd
-    cache key that depends on torch's and triton's installed files (their hashes, once per
-    process; on an H200 with torch 2.11 0.5 s of a warm first step, most of it in hashlib, which
-    lets the step's thread run meanwhile). The first compile or cache lookup then finds them
-    done, or waits for the rest. Without triton, torch's alone."""
-    from torch._inductor import codecache
-    from torch._inductor.runtime import triton_compat
-
-    keys = [codecache.torch_key]
-    if triton_compat.HAS_TRITON:
-        keys.append(triton_compat.triton_key)
-
-    def compute() -> None:
-        for key in keys:
-            key()  # each caches its value for the process (torch's under a lock the first compile waits on)
-
-    threading.Thread(target=compute, name="compile_accel-cache-keys", daemon=True).start()
-
-
 _running = threading.local()
 
 

@@ -115,28 +115,3 @@ def test_a_damaged_entry_warns_compiles_again_and_is_rewritten(saved_run, damage
     assert again.save() > 0
     torch._dynamo.reset()
     assert _first_forward(model, "config A", torch.randn(4, 8)).loaded is True
-
-
-@pytest.mark.parametrize("has_triton", [True, False])
-def test_the_installed_files_hashes_of_the_cache_keys_are_computed_in_a_background_thread(
-    monkeypatch: pytest.MonkeyPatch, has_triton: bool
-) -> None:
-    """prefetch_cache_keys (apply() calls it) computes torch's and, where there is triton,
-    triton's file hashes off the calling thread, each once."""
-    import threading
-
-    from torch._inductor import codecache
-    from torch._inductor.runtime import triton_compat
-
-    from compile_accel.backend import prefetch_cache_keys
-
-    ran: list[tuple[str, str]] = []
-    monkeypatch.setattr(codecache, "torch_key", lambda: ran.append(("torch", threading.current_thread().name)))
-    monkeypatch.setattr(triton_compat, "triton_key", lambda: ran.append(("triton", threading.current_thread().name)))
-    monkeypatch.setattr(triton_compat, "HAS_TRITON", has_triton)
-    prefetch_cache_keys()
-    for thread in threading.enumerate():
-        if thread.name == "compile_accel-cache-keys":
-            thread.join(10)
-    expected = ["torch", "triton"] if has_triton else ["torch"]
-    assert ran == [(key, "compile_accel-cache-keys") for key in expected]
