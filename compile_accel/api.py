@@ -19,7 +19,7 @@ from .blocks import BlockList, resolve_block_lists
 from . import compile_workers
 from .backend import start_compile_workers
 from .compile_profile import CompileClock, CompileTimes
-from .config import CompileConfig
+from .config import CUDA_GRAPH_MODES, CompileConfig
 from .offload import offload_fraction_ladder
 from .regions import CompiledFunction, Region, restore_forward
 from .selective import is_excluded, region_specs
@@ -310,6 +310,7 @@ def _compile_blocks(
             config.vram_limit_gib,
             acceleration.signature,
             find_ladder,
+            cuda_graphs=config.compile_mode in CUDA_GRAPH_MODES,
         )
         acceleration.on_remove(acceleration.auto_budget.remove)
     acceleration.on_remove(_watch_uncalled_regions(model, regions, stats).remove)

@@ -43,6 +43,7 @@ goes up: auto never keeps more blocks on the GPU than asked. Each rung is predic
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import math
@@ -211,27 +212,38 @@ def _write_cache(key: str, entry: dict[str, Any]) -> None:
         warn(f"could not write the auto budget cache {path}: {error}")
 
 
-def _run_once(run: Callable[[], None], device: torch.device, parameters: list[torch.Tensor]) -> tuple[float, int]:
-    """Seconds and peak bytes of one `run`."""
+def _run_once(
+    run: Callable[[], None], device: torch.device, parameters: list[torch.Tensor], reserved: bool = False
+) -> tuple[float, int]:
+    """Seconds and peak bytes of one `run`: allocated, or (`reserved`) reserved by the allocator
+    with its free cache emptied first (CUDA graphs keep their memory in pools of their own,
+    reserved while they live, which the allocated peak of a replay does not show)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        if reserved:
+            torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
         run()
         torch.cuda.synchronize(device)
-        return time.perf_counter() - start, torch.cuda.max_memory_allocated(device)
+        peak = torch.cuda.max_memory_reserved(device) if reserved else torch.cuda.max_memory_allocated(device)
+        return time.perf_counter() - start, peak
     with SavedActivationMeter(parameters) as meter:
         start = time.perf_counter()
         run()
     return time.perf_counter() - start, meter.bytes
 
 
-def _measure(run: Callable[[], None], device: torch.device, parameters: list[torch.Tensor]) -> tuple[float, int]:
-    """Seconds and peak bytes of one `run`, once the candidate's graphs compiled (the run before
-    did) or came back from the compile workers and were switched to (one more run)."""
+def _measure(
+    run: Callable[[], None], device: torch.device, parameters: list[torch.Tensor], reserved: bool = False
+) -> tuple[float, int]:
+    """Seconds and peak bytes (see _run_once) of one `run`, once the candidate's graphs compiled
+    (the run before did) or came back from the compile workers and were switched to (one more
+    run). With CUDA graphs the measured run is the one that records them (the one before ran
+    them once as torch's warm-up), so their pools are in its reserved peak."""
     if compile_workers.wait():
         run()
-    return _run_once(run, device, parameters)
+    return _run_once(run, device, parameters, reserved)
 
 
 def _accumulating_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
@@ -288,7 +300,9 @@ class AutoBudget:
     (None: there is none); it is asked at calibration, so an offloader set up after apply()
     counts. `measure`, `predict`, `candidates` (the budgets, ascending), and `handed_over` and
     `compiling` (the compile workers' counts of graphs handed to them and not yet compiled here,
-    and of those still compiling) are replaceable for tests.
+    and of those still compiling) are replaceable for tests. `cuda_graphs`: the regions replay
+    CUDA graphs (CompileConfig.compile_mode), which record the blocks' weights where they are: no
+    offload ladder, and `measure` reads reserved peaks (called with reserved=True).
 
     With compile workers, a candidate whose graphs went to them is measured at the first training
     step after they are back, on the same batch; until then the training steps run at that
@@ -310,14 +324,16 @@ class AutoBudget:
         compiled: str = "",
         find_ladder: Callable[[torch.device], OffloadLadder | None] = lambda device: None,
         measure: Measure = _measure,
+        cuda_graphs: bool = False,
     ) -> None:
         self.model = model
         self.compiled = compiled  # what is compiled and how (regions, config): part of the cache key
         self.set_budget = set_budget
         self.stats = stats
         self.limit_gib = limit_gib
-        self.find_ladder = find_ladder
-        self.measure = measure
+        # CUDA graphs record the blocks' weights where they are: never offload; read reserved peaks.
+        self.find_ladder = (lambda device: None) if cuda_graphs else find_ladder
+        self.measure = functools.partial(measure, reserved=True) if cuda_graphs else measure
         self.predict: Predict = self._predict
         self.handed_over: Callable[[], int] = compile_workers.pending
         self.compiling: Callable[[], int] = compile_workers.compiling

@@ -39,10 +39,11 @@ class CompileConfig:
         "max-autotune-no-cudagraphs"); inductor only. "reduce-overhead" replays each compiled
         graph as a CUDA graph: one launch instead of hundreds, for steps bound by kernel launches
         (sd-scripts' SDXL with LoRA: ~14,000 a step). A CUDA graph records its inputs' addresses:
-        blocks whose weights move (offloading, block swap) record again at every move. Not with
-        activation_memory_budget="auto"; under a checkpoint of the model's own (selective mode
-        keeps them) sd-scripts' SDXL failed in the recompute (outputs a later replay had
-        overwritten, torch 2.11): use it with a budget.
+        blocks whose weights move (offloading, block swap) record again at every move. Under a
+        checkpoint of the model's own (selective mode keeps them) sd-scripts' SDXL failed in the
+        recompute (outputs a later replay had overwritten, torch 2.11): use it with a budget
+        (with "auto", calibration reads reserved memory, which holds the graphs' pools, and
+        never offloads).
     fullgraph: refuse graph breaks inside a region (they become compile errors, and the
         region falls back to eager with a warning).
     recompile_limit: graphs dynamo may compile per region function before it gives up;
@@ -122,11 +123,6 @@ class CompileConfig:
                 raise ValueError(
                     f"CompileConfig.compile_mode must be one of {INDUCTOR_MODES}, got {self.compile_mode!r}"
                 )
-            if self.compile_mode in CUDA_GRAPH_MODES and budget == "auto":
-                raise ValueError(
-                    "activation_memory_budget='auto' measures each budget's peak memory, and CUDA graphs "
-                    f"(compile_mode={self.compile_mode!r}) keep theirs in pools of their own; give a budget"
-                )
         for flag in ("fullgraph", "fast_compile"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"CompileConfig.{flag} must be True or False, got {getattr(self, flag)!r}")
@@ -152,13 +148,12 @@ def cuda_graph_refusal(config: CompileConfig, moved_by: str | None) -> str | Non
     """Why CUDA graphs (a compile_mode in CUDA_GRAPH_MODES) cannot serve `config`, or None; the
     bench and the sd-scripts launcher refuse with it. moved_by: what moves the blocks' weights
     between steps (offloading, block swap, other GPUs), if anything."""
-    if config.mode != "blocks" or config.activation_memory_budget in (None, "auto"):
+    if config.mode != "blocks" or config.activation_memory_budget is None:
         # Under the model's own checkpointing the recompute read outputs a later replay had
-        # overwritten (sd-scripts' SDXL, torch 2.11, on an H200); auto measures peaks that the
-        # graphs' memory pools keep apart.
+        # overwritten (sd-scripts' SDXL, torch 2.11, on an H200).
         return (
-            "CUDA graphs need whole blocks under a numeric activation memory budget: under the model's "
-            "gradient checkpointing (selective mode) they fail, and auto cannot measure their memory"
+            "CUDA graphs need whole blocks under an activation memory budget (a number or auto): under the "
+            "model's gradient checkpointing (selective mode) they fail"
         )
     if moved_by:
         return f"a CUDA graph records the blocks' weights where they are, and {moved_by} moves them every step"

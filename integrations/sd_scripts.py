@@ -350,7 +350,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         group.add_argument(
             "--compile_cuda_graphs",
             action="store_true",
-            help="with --activation_memory_budget B: replay each compiled block as a CUDA graph (inductor's "
+            help="with --activation_memory_budget B or auto: replay each compiled block as a CUDA graph (inductor's "
             "reduce-overhead mode), one launch instead of hundreds, for steps bound by kernel launches (SDXL with "
             "LoRA); not with --blocks_to_swap (moved weights are recorded again at every move)",
         )

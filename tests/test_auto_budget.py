@@ -492,6 +492,30 @@ def test_with_compile_workers_a_candidate_is_measured_at_the_first_step_after_it
     assert json.loads(cache_path().read_text())  # written once chosen
 
 
+def test_with_cuda_graphs_auto_reads_reserved_peaks_and_never_offloads() -> None:
+    """CUDA graphs record the weights where they are and keep their memory in pools of their
+    own: with them, the ladder is not climbed even where nothing fits, and every measurement
+    reads reserved memory."""
+    training = FakeTraining(limit_gib=8.0)  # nothing fits resident: without CUDA graphs it swaps 10 blocks
+    read = []
+
+    def measure(run, device, parameters, reserved: bool = False):
+        read.append(reserved)
+        return training._measure(run, device, parameters)
+
+    ladder = training.auto.find_ladder(torch.device("cpu"))
+    training.auto.remove()
+    training.auto = AutoBudget(
+        training.model, training._set_budget, Stats(), 8.0, find_ladder=lambda device: ladder, measure=measure, cuda_graphs=True
+    )
+    training.auto.predict = training._predict
+    with pytest.warns(RuntimeWarning, match="no activation memory budget fits 8.00 GiB on this batch; using budget 0.0"):
+        training.step()
+    assert training.set_levels == [] and training.predicted_levels == [0]
+    assert training.measured == [(0, 0.0)] and read == [True]
+    assert training.auto.result["offload_name"] is None
+
+
 def test_interrupted_calibration_warns_counts_and_runs_again() -> None:
     """Ctrl-C during a candidate's step: the first rung and the lowest budget are back, a
     warning says so, and the next training forward calibrates (and settles) again."""

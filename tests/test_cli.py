@@ -242,7 +242,7 @@ def test_parse_mode(spec: str, mode: str, budget: float | None, ckpt: bool) -> N
     assert (parsed.config.mode, parsed.config.activation_memory_budget, parsed.checkpointing) == (mode, budget, ckpt)
 
 
-@pytest.mark.parametrize("spec", ["blocks+budget=0.1", "blocks+budget=1.0"])
+@pytest.mark.parametrize("spec", ["blocks+budget=0.1", "blocks+budget=1.0", "blocks+auto"])
 def test_cudagraphs_turns_on_inductors_cuda_graphs_for_a_budget_mode(spec: str) -> None:
     plain, recorded = parse_mode(spec), parse_mode(spec + "+cudagraphs")
     assert (plain.config.compile_mode, recorded.config.compile_mode) == (None, "reduce-overhead")
@@ -257,14 +257,13 @@ def test_cudagraphs_turns_on_inductors_cuda_graphs_for_a_budget_mode(spec: str) 
         "eager+ckpt+cudagraphs",
         "selective+ckpt+cudagraphs",
         "blocks+ckpt+cudagraphs",
-        "blocks+auto+cudagraphs",
         "blocks+budget=0.1+cudagraphs+offload=0.5",
         "blocks+budget=0.1+cudagraphs+ddp=2",
         "blocks+budget=0.1+cudagraphs+split=2",
     ],
 )
 def test_cudagraphs_is_refused_where_nothing_is_compiled_checkpointing_runs_or_weights_move(spec: str) -> None:
-    with pytest.raises(ValueError, match=r"\+cudagraphs goes after blocks\+budget=B alone: (CUDA graphs need whole blocks|"
+    with pytest.raises(ValueError, match=r"\+cudagraphs goes after blocks\+budget=B or blocks\+auto alone: (CUDA graphs need whole blocks|"
                        r"a CUDA graph records the blocks' weights where they are, and \+(offload|ddp|split) moves)"):
         parse_mode(spec)
 

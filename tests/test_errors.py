@@ -33,7 +33,6 @@ BAD_CONFIGS = [
     (dict(mode="blocks", recompile_limit=0), "recompile_limit must be an int"),
     (dict(mode="blocks", compile_mode="turbo"), "compile_mode must be one of"),
     (dict(mode="blocks", backend="aot_eager", compile_mode="max-autotune"), "applies to backend='inductor' only"),
-    (dict(mode="blocks", activation_memory_budget="auto", compile_mode="reduce-overhead"), "give a budget"),
     (dict(mode="blocks", exclude="*.rope"), "exclude must be a list"),
     (dict(mode="blocks", exclude=None), "exclude must be a list"),
     (dict(mode="blocks", backend="no_such_backend"), "is not a torch.compile backend"),

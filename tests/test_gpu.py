@@ -43,19 +43,23 @@ def test_blocks_budget_bf16_lora_gradients_as_close_as_eager(budget: float) -> N
     assert stats["compiled_regions"] == stats["regions"] and stats["unique_graphs"] == 2
 
 
-@pytest.mark.parametrize("mode, budget", [("selective", None), ("blocks", 0.5)])
-def test_cuda_graphs_train_as_eager_on_fresh_inputs(mode: str, budget: float | None) -> None:
+@pytest.mark.parametrize("mode, budget", [("selective", None), ("blocks", 0.5), ("blocks", "auto")])
+def test_cuda_graphs_train_as_eager_on_fresh_inputs(mode: str, budget: float | str | None) -> None:
     """compile_mode="reduce-overhead" replays CUDA graphs recorded in the first steps: new inputs
     every step and LoRA weights updated in place between steps must give eager's losses and
     gradients (fp32; tolerance 1e-3 for inductor's reordered sums). The model has no
-    checkpointing (under a trainer's checkpoint CUDA graphs failed: the launcher refuses it)."""
+    checkpointing (under a trainer's checkpoint CUDA graphs failed: the launcher refuses it).
+    With "auto", calibration on the first step records and measures them."""
     skips_before = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
     torch.manual_seed(0)
     model, params, _ = _on_cuda()
     torch.manual_seed(0)
     eager, eager_params, _ = _on_cuda()
-    config = CompileConfig(mode=mode, activation_memory_budget=budget, compile_mode="reduce-overhead")
+    limit = 64.0 if budget == "auto" else None
+    config = CompileConfig(mode=mode, activation_memory_budget=budget, compile_mode="reduce-overhead", vram_limit_gib=limit)
     acceleration = compile_accel.apply(model, config)
+    if budget == "auto":
+        acceleration.auto_budget.candidates = (0.0, 0.5)  # 0.5 predicted to fit: calibration records its graphs
     for _ in range(4):
         inputs = tuple(t.cuda() for t in inputs_for(model, res=32, text_len=16))
         loss, grads = _cuda_step(model, params, inputs, autocast=False)
@@ -70,6 +74,9 @@ def test_cuda_graphs_train_as_eager_on_fresh_inputs(mode: str, budget: float | N
     assert stats["compiled_regions"] == stats["regions"] > 0
     assert stats["recompiles"] == 0 and stats["fallbacks"] == []
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == skips_before  # CUDA graphs did run
+    if budget == "auto":
+        auto = stats["auto_budget"]
+        assert auto["budget"] == 0.5 and auto["fits"] and auto["table"][0]["peak_bytes"] > 0
 
 
 def test_cuda_data_swap_does_not_recompile() -> None:

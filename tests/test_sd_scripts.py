@@ -204,8 +204,8 @@ def test_bad_budget_is_an_argparse_error(value: str) -> None:
         ),
         (
             ["--activation_memory_budget", "auto", "--compile_cuda_graphs"],
-            {},
-            "--compile_cuda_graphs: CUDA graphs need whole blocks under a numeric activation memory budget",
+            {"blocks_to_swap": 8},
+            "--compile_cuda_graphs: a CUDA graph records the blocks' weights where they are, and --blocks_to_swap",
         ),
         (
             ["--selective_torch_compile", "--compile_cuda_graphs"],
@@ -262,8 +262,9 @@ def test_auto_and_the_original_pull_requests_variable_become_the_compile_config(
 
 def test_cuda_graphs_flag_becomes_inductors_reduce_overhead_mode() -> None:
     assert accel.config_from_args(_parse("--selective_torch_compile")).compile_mode is None
-    config = accel.config_from_args(_parse("--activation_memory_budget", "0.1", "--compile_cuda_graphs"))
-    assert (config.activation_memory_budget, config.compile_mode) == (0.1, "reduce-overhead")
+    for budget, expected in (("0.1", 0.1), ("auto", "auto")):
+        config = accel.config_from_args(_parse("--activation_memory_budget", budget, "--compile_cuda_graphs"))
+        assert (config.activation_memory_budget, config.compile_mode) == (expected, "reduce-overhead")
 
 
 def test_cuda_graphs_on_a_cpu_run_are_refused_before_anything_compiles() -> None:
