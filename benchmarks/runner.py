@@ -46,6 +46,7 @@ import torch.nn as nn
 
 from compile_accel import BlockOffloadConductor
 from compile_accel import compile_workers
+from compile_accel.auto_budget import AutoBudget
 from compile_accel.compile_cache import load_compile_cache, save_compile_cache
 from compile_accel.distributed import apply_ddp
 from compile_accel.memory import SavedActivationMeter
@@ -289,7 +290,7 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
     step()
     synchronize(gpus)
     first = time.perf_counter() - start
-    workers = _await_compile_workers(step, gpus, start) if compile_workers.pending() else None
+    workers = _await_compile_workers(step, gpus, start, acceleration.auto_budget) if compile_workers.pending() else None
     compile_workers.first_step_done()  # the pool stops once its graphs are back
     for _ in range(settings.warmup):
         step()
@@ -369,15 +370,22 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
     )
 
 
-def _await_compile_workers(step: Callable[[], float], gpus: list[torch.device], start: float) -> dict[str, float]:
+def _await_compile_workers(
+    step: Callable[[], float], gpus: list[torch.device], start: float, auto: AutoBudget | None
+) -> dict[str, float]:
     """After a first step that left graphs compiling in workers: the second step's seconds (its
     graphs still compiling run uncompiled) and when, from the first step's start, the last
-    compiled graph was back."""
+    compiled graph was back. With auto, steps go on until its choice is made: a candidate is
+    measured at the first step after its graphs are back, and one over the limit hands the
+    next to the workers."""
     second_start = time.perf_counter()
     step()
     synchronize(gpus)
     second = time.perf_counter() - second_start
     compile_workers.wait()
+    while auto is not None and auto.checking is not None:
+        step()
+        compile_workers.wait()
     return {"second_step_s": second, "compiled_after_s": time.perf_counter() - start}
 
 

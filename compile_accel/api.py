@@ -80,7 +80,8 @@ class Acceleration:
         graph_breaks, compile_seconds, fallbacks, eager_nonresident_calls, and more; under
         "compile_times", where this process's compile time since apply() went (phase seconds and
         cache hits, compile_accel.compile_profile); with activation_memory_budget="auto", the
-        calibration under "auto_budget" (None until the first training step)."""
+        calibration under "auto_budget" (None until it is done: the first training step, or with
+        compile workers the first after the candidate's graphs are back)."""
         counted = self._stats if self.auto_budget is None else self.auto_budget.counted()
         stats = {"mode": self.config.mode, **counted.as_dict(), "compile_times": self.compile_times().as_dict()}
         if self.auto_budget is not None:

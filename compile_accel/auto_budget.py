@@ -1,7 +1,8 @@
 """activation_memory_budget="auto": the fastest budget whose measured peak memory fits a limit.
 
-On the model's first training forward, calibration runs on that same batch, a forward and a
-backward of a stand-in loss (the mean square of the outputs) at a time:
+On the model's first training forward, calibration runs on that same batch (with compile
+workers, it goes on at a later step: below), a forward and a backward of a stand-in loss (the
+mean square of the outputs) at a time:
 
 1. One step with the blocks traced at the lowest candidate budget, without inductor
    (compile_accel.saved_bytes): its peak, plus what a candidate's partition saves beyond the
@@ -240,8 +241,9 @@ def _measure(
     """Seconds and peak bytes (see _run_once) of one `run`, once the candidate's graphs compiled
     (the run before did) or came back from the compile workers and were switched to (one more
     run). With CUDA graphs the measured run is the one that records them (the one before ran
-    them once as torch's warm-up), so their pools are in its reserved peak."""
-    if compile_workers.wait():
+    them once as torch's warm-up), so their pools are in its reserved peak, and its seconds
+    include the recording."""
+    if compile_workers.pending():
         run()
     return _run_once(run, device, parameters, reserved)
 
@@ -261,7 +263,8 @@ def _accumulating_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
     return leaves
 
 
-Measure = Callable[[Callable[[], None], torch.device, list[torch.Tensor]], tuple[float, int]]
+# (run, device, parameters) -> seconds, peak bytes; with CUDA graphs also called with reserved=True.
+Measure = Callable[..., tuple[float, int]]
 # (run, device, parameters, counts, limit) -> predicted peak bytes of candidates, at least those
 # up to the first predicted over `limit` ({}: no prediction).
 Predict = Callable[[Callable[[], None], torch.device, list[torch.Tensor], list[Stats], int], dict[float, int]]
@@ -292,23 +295,24 @@ class _Search:
 
 
 class AutoBudget:
-    """Forward pre-hook on the model root that calibrates once, on the first training call.
+    """Forward pre-hook on the model root that calibrates once, from the first training call.
 
     `set_budget(budget, stats, estimate=None)` switches every compiled region of the
     Acceleration to a budget, counting into `stats` (with `estimate`: traced for it, without
     inductor). `find_ladder(device)` returns the offload ladder to climb when nothing fits
     (None: there is none); it is asked at calibration, so an offloader set up after apply()
-    counts. `measure`, `predict`, `candidates` (the budgets, ascending), and `handed_over` and
-    `compiling` (the compile workers' counts of graphs handed to them and not yet compiled here,
-    and of those still compiling) are replaceable for tests. `cuda_graphs`: the regions replay
+    counts. `measure`, `predict`, `candidates` (the budgets, ascending) and `compiling` (how
+    many graphs counting into a Stats are still in the compile workers) are replaceable for
+    tests. `cuda_graphs`: the regions replay
     CUDA graphs (CompileConfig.compile_mode), which record the blocks' weights where they are: no
-    offload ladder, and `measure` reads reserved peaks (called with reserved=True).
+    offload ladder, `measure` reads reserved peaks (called with reserved=True), and the CUDA
+    graphs of a candidate measured before are freed before the next one is.
 
     With compile workers, a candidate whose graphs went to them is measured at the first training
     step after they are back, on the same batch; until then the training steps run at that
-    budget, uncompiled, under a checkpoint, and no graph switches to compiled before calibration
-    ran it (compile_workers.hold_switches). So the first step waits for the prediction and the
-    trace, not for the compile.
+    budget, uncompiled, under a checkpoint, and none of its graphs switches to compiled before
+    calibration ran it (compile_workers.hold_switches). So the first step waits for the
+    prediction and the trace, not for the compile.
 
     A calibration that raises (Ctrl-C, an error in a candidate's step) puts the model back at
     the ladder's first rung and the lowest budget, warns, and runs again on the next training
@@ -334,9 +338,9 @@ class AutoBudget:
         # CUDA graphs record the blocks' weights where they are: never offload; read reserved peaks.
         self.find_ladder = (lambda device: None) if cuda_graphs else find_ladder
         self.measure = functools.partial(measure, reserved=True) if cuda_graphs else measure
+        self._cuda_graphs = cuda_graphs
         self.predict: Predict = self._predict
-        self.handed_over: Callable[[], int] = compile_workers.pending
-        self.compiling: Callable[[], int] = compile_workers.compiling
+        self.compiling: Callable[[Stats], int] = compile_workers.compiling
         self.candidates = CANDIDATES
         self._estimate: SavedBytesEstimate | None = None  # one trace per graph serves every rung
         self.result: dict[str, Any] | None = None
@@ -364,11 +368,11 @@ class AutoBudget:
     def remove(self) -> None:
         """Calibrate never (Acceleration.remove() calls this)."""
         self.handle.remove()
-        if self._search is not None:
-            if self._search.in_workers_stats is not None:
-                self.stats.absorb(self._search.in_workers_stats)
-            self._search = None
-            compile_workers.hold_switches(False)
+        pending = None if self._search is None else self._search.in_workers_stats
+        self._search = None
+        if pending is not None:
+            compile_workers.hold_switches(pending, False)
+            self.stats.absorb(pending)
 
     def _hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._running or not torch.is_grad_enabled():
@@ -378,11 +382,12 @@ class AutoBudget:
                 self._warned_eval = True
                 warn(
                     f"{type(module).__name__} runs with gradients in eval mode: activation_memory_budget='auto' "
-                    "calibrates on the first forward in training mode (model.train()), and until then the blocks "
-                    "run at PyTorch's default budget without checkpointing"
+                    "calibrates in training mode (model.train()); until it has, the blocks run at PyTorch's "
+                    "default budget without checkpointing, or at the candidate being calibrated"
                 )
             return None
-        if self._search is not None and self.compiling():
+        pending = None if self._search is None else self._search.in_workers_stats
+        if pending is not None and self.compiling(pending):
             return None  # the candidate's graphs are still in the compile workers
         self._running = True
         try:
@@ -403,8 +408,10 @@ class AutoBudget:
             self._search = search
         search = self._search
         resumed = time.perf_counter()
-        compile_workers.hold_switches(False)  # the candidate's graphs switch in its measured step
         counts: list[Stats] = []  # one per candidate run; every graph compiled is counted
+        if search.in_workers_stats is not None:  # back from the workers: they switch in its measured run
+            compile_workers.hold_switches(search.in_workers_stats, False)
+            counts.append(search.in_workers_stats)
 
         def fastest(rung: int) -> Measurement | None:
             if rung not in search.complete:
@@ -420,14 +427,14 @@ class AutoBudget:
             best, fits = choose(measurements, search.limit)
         except _InWorkers:
             search.waited_seconds += time.perf_counter() - resumed
-            compile_workers.hold_switches(True)
+            compile_workers.hold_switches(search.in_workers_stats, True)
             level, budget = search.in_workers
-            where = _setting(budget, level, search.ladder)
+            predicted = search.predicted[level].get(budget)  # none where the traced step ran out of memory
             logger.info(
-                "auto: %s (predicted %.2f GiB, limit %.2f GiB) is compiling in the workers; the steps run it "
-                "uncompiled until its graphs are back, then it is timed and its peak checked",
-                where,
-                search.predicted[level][budget] / GIB,
+                "auto: %s (%slimit %.2f GiB) is compiling in the workers; the steps run it uncompiled until its "
+                "graphs are back, then it is timed and its peak checked",
+                _setting(budget, level, search.ladder),
+                "" if predicted is None else f"predicted {predicted / GIB:.2f} GiB, ",
                 search.limit / GIB,
             )
             return None
@@ -530,16 +537,19 @@ class AutoBudget:
     ) -> Measurement:
         """Compile `budget` at `level` and measure it; _InWorkers when its graphs went to the
         compile workers (measured when called again, once they are back)."""
-        if search.in_workers == (level, budget):
-            counts.append(search.in_workers_stats)  # its graphs switch to compiled in the measured run
-        else:
+        back = search.in_workers == (level, budget)  # its Stats is in `counts` already (calibrate)
+        if not back:
             counts.append(Stats(regions=self.stats.regions))
         try:
             self._go(search.ladder, level)
-            if search.in_workers != (level, budget):
+            if not back:
+                if self._cuda_graphs and any(search.tables.values()):
+                    from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+                    reset_cudagraph_trees()  # free the pools of the candidate measured before
                 self.set_budget(budget, counts[-1])
                 search.run()  # compiles the budget's graphs, or hands them to the compile workers
-                if self.handed_over():
+                if counts[-1].worker_graphs_started:
                     search.in_workers, search.in_workers_stats = (level, budget), counts.pop()
                     raise _InWorkers
             search.in_workers = search.in_workers_stats = None

@@ -84,7 +84,7 @@ _out: list[concurrent.futures.Future] = []  # the running pool's graphs not yet 
 _unswitched: list[WorkerGraph] = []  # handed to the workers, not yet running compiled
 _first_step_done = False  # set by first_step_done(), for the rest of the process
 _switched = 0  # graphs handed to the workers that run compiled here now, for the rest of the process
-_held = False  # hold_switches(True): graphs back from the workers keep running uncompiled
+_held: set[int] = set()  # id()s of the Stats whose graphs hold_switches keeps uncompiled
 _last_back = 0.0  # time.monotonic() when a graph last came back
 # Until the first step is done, an idle pool waits this long for more graphs: a first step hands
 # its graphs over in waves (sd-scripts' SDXL: 40 s apart on an H100, as dynamo and AOTAutograd
@@ -185,18 +185,20 @@ def _still_unswitched() -> list[WorkerGraph]:
     return _unswitched
 
 
-def compiling() -> int:
-    """Graphs (of every model in this process) handed to the workers and not back from them yet."""
+def compiling(stats: Stats) -> int:
+    """Graphs counting into `stats` (one region function's compiles: one model, one budget)
+    handed to the workers and not back from them yet."""
     with _lock:
-        return sum(not graph.future.done() for graph in _still_unswitched())
+        return sum(graph._stats is stats and not graph.future.done() for graph in _still_unswitched())
 
 
-def hold_switches(held: bool) -> None:
-    """While held, graphs back from the workers keep running uncompiled until released: auto's
-    calibration runs a budget's graphs compiled first in a step of its own, which checks that
-    their peak fits, before a training step may."""
-    global _held
-    _held = held
+def hold_switches(stats: Stats, held: bool) -> None:
+    """While held, the graphs counting into `stats` that are back from the workers keep running
+    uncompiled until released: auto's calibration runs a candidate budget's graphs compiled
+    first in a step of its own, which checks that their peak fits, before a training step may.
+    The caller keeps `stats` alive while it holds them."""
+    with _lock:
+        (_held.add if held else _held.discard)(id(stats))
 
 
 def graphs_switched() -> int:
@@ -426,7 +428,7 @@ class WorkerGraph:
     def __call__(self, *inputs: Any) -> Any:
         if (
             self.future is not None
-            and not _held
+            and id(self._stats) not in _held
             and (self.back_at_step_start or (self._checkpointed and self.future.done()))
         ):
             self._switch()

@@ -499,8 +499,13 @@ class Launch:
         once the graphs that were in the compile workers at the first step run compiled."""
         if not self._reported_first_step:
             self.first_step_done()
-        elif self._resave_after is not None and self._graphs_back() >= self._resave_after:
+        elif self._resave_after is not None and self._graphs_back() >= self._resave_after and self._auto_checking() is None:
             self._resave()
+
+    def _auto_checking(self) -> float | None:
+        """The budget auto measures once its graphs are back from the compile workers, if any."""
+        auto = self.acceleration.auto_budget
+        return None if auto is None else auto.checking
 
     def _graphs_back(self) -> int:
         """Graphs handed to the compile workers that run compiled now (or failed there)."""
@@ -527,8 +532,8 @@ class Launch:
         if auto:
             offload = f" at {auto['offload_name']} {auto['offload']:g}" if auto["offload_name"] else ""
             chose = f"; auto chose budget {auto['budget']}{offload}{' (cached)' if auto['cached'] else ''}"
-        elif self.acceleration.auto_budget is not None and self.acceleration.auto_budget.checking is not None:
-            chose = f"; auto measures budget {self.acceleration.auto_budget.checking} once its graphs are compiled"
+        elif self._auto_checking() is not None:
+            chose = f"; auto measures budget {self._auto_checking()} once its graphs are compiled"
         waiting = stats["worker_graphs_started"] - self._graphs_back()
         cache = ""
         if self.compile_cache is not None and self.compile_cache.path is not None:
@@ -559,6 +564,11 @@ class Launch:
         )
 
     def report(self) -> None:
+        if self._auto_checking() is not None:
+            _say(
+                f"auto did not finish: training ended while budget {self._auto_checking()} was compiling in the "
+                "workers; nothing was cached, and the next run calibrates again"
+            )
         if self._resave_after is not None:  # training ended before the workers' graphs ran compiled
             self._resave()
         stats = self.acceleration.stats()

@@ -36,6 +36,7 @@ def compile_workers_first_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """compile_workers.first_step_done() marks the whole process (the launcher's tests call it);
     each test starts with the mark as the process had it."""
     monkeypatch.setattr(compile_workers, "_first_step_done", compile_workers._first_step_done)
+    monkeypatch.setattr(compile_workers, "_held", set())  # a failed test's hold stays with it
 
 
 # Single-stream blocks only: one block class, whose compile is a fraction of the double-stream

@@ -313,7 +313,7 @@ def test_training_in_eval_mode_warns_that_calibration_waits() -> None:
     calls: list[float] = []
     acceleration = _auto(model, 2.6, calls)
     model.eval()
-    with pytest.warns(RuntimeWarning, match="calibrates on the first forward in training mode"):
+    with pytest.warns(RuntimeWarning, match="calibrates in training mode"):
         model(*inputs_for(model)).square().mean().backward()
     assert calls == [] and acceleration.stats()["auto_budget"] is None
 
@@ -430,28 +430,27 @@ def test_nothing_fits_even_at_the_top_rung_warns_and_takes_the_lowest_peak() -> 
 
 
 class FakeWorkers:
-    """Compile workers for FakeTraining: each budget set hands its graph over, which compiles for
-    `steps` training steps and switches to compiled in the step that measures it."""
+    """Compile workers for FakeTraining: each budget set hands a graph over (counted in the Stats
+    it compiles into), which compiles for `steps` training steps."""
 
     def __init__(self, training: FakeTraining, steps: int) -> None:
         self.steps = steps
         self.left = 0  # steps until the graph handed over is back
-        self.handed = 0  # graphs handed over and not compiled here yet
+        self.stats: Stats | None = None  # what the graph in the workers counts into
         set_budget, measure = training._set_budget, training.auto.measure
 
         def set_budget_in_workers(budget: float, stats: Stats) -> None:
             set_budget(budget, stats)
-            self.handed, self.left = 1, self.steps
+            stats.worker_graphs_started += 1
+            self.left, self.stats = self.steps, stats
 
-        def measure_switched(run, device, parameters) -> tuple[float, int]:
+        def measure_back(run, device, parameters) -> tuple[float, int]:
             assert self.left == 0, "measured before its graph was back"
-            self.handed = 0
             return measure(run, device, parameters)
 
         training.auto.set_budget = set_budget_in_workers
-        training.auto.measure = measure_switched
-        training.auto.handed_over = lambda: self.handed
-        training.auto.compiling = lambda: self.left
+        training.auto.measure = measure_back
+        training.auto.compiling = lambda stats: self.left if stats is self.stats else 0
 
     def step_done(self) -> None:
         self.left = max(0, self.left - 1)
@@ -473,7 +472,8 @@ def test_with_compile_workers_a_candidate_is_measured_at_the_first_step_after_it
     for _ in range(6):
         training.step()
         workers.step_done()
-        seen.append((training.budget, training.auto.checking, compile_workers._held, training.auto.result is None))
+        held = workers.stats is not None and id(workers.stats) in compile_workers._held
+        seen.append((training.budget, training.auto.checking, held, training.auto.result is None))
     assert seen == [
         (0.7, 0.7, True, True),  # predicted, 0.7 handed over: the step ran on
         (0.7, 0.7, True, True),  # still compiling: nothing measured

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -355,3 +356,19 @@ def test_sd_scripts_block_swap_swaps_blocks_during_the_step(
     assert len(swaps) >= 2 * blocks  # forward and backward
     assert loss == pytest.approx(expected_loss, rel=1e-6)
     _assert_trains(grads)
+
+
+def test_with_auto_the_bench_steps_until_its_choice_is_made_before_warm_up() -> None:
+    """A candidate measured over the limit hands the next to the workers: the steps go on until
+    auto has chosen, so that warm-up and timed steps run the chosen budget compiled."""
+    from compile_accel.benchmarks.runner import _await_compile_workers
+
+    auto = SimpleNamespace(checking=0.7)
+    checks = iter([0.5, None])  # each step: 0.7 measured over the limit, then 0.5 chosen
+
+    def step() -> float:
+        auto.checking = next(checks)
+        return 0.0
+
+    _await_compile_workers(step, [], 0.0, auto)
+    assert auto.checking is None and next(checks, "all used") == "all used"
