@@ -6,12 +6,13 @@ mean square of the outputs) at a time:
 
 1. One step with the blocks traced at the lowest candidate budget, without inductor
    (compile_accel.saved_bytes): its peak, plus what a candidate's partition saves beyond the
-   lowest one's, predicts that candidate's peak. Tracing is a fraction of a compile. The
-   candidates are predicted in ascending order up to the first predicted not to fit (a larger
-   budget saves more), so a tight limit partitions few.
+   lowest one's, predicts that candidate's peak. Tracing is a fraction of a compile. A larger
+   budget saves more, so the largest candidate predicted to fit is found by bisection: two or
+   three partitions per graph of five (each a second or more for a full-size block; 16 graphs
+   on SDXL's U-Net).
 2. The largest budget predicted to fit is compiled and run, once to compile and once timed, with
-   its peak read. If it peaks over the limit or runs out of memory, the next smaller predicted
-   one, and so on; the lowest candidate is run when nothing is predicted to fit (the predicted
+   its peak read. If it peaks over the limit or runs out of memory, the next smaller one, and
+   so on; the lowest candidate is run when nothing is predicted to fit (the predicted
    peaks come from uncompiled code, which may need more than the compiled).
 
 The largest budget that fits is taken as the fastest: it saves more and recomputes less. In
@@ -265,8 +266,9 @@ def _accumulating_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
 
 # (run, device, parameters) -> seconds, peak bytes; with CUDA graphs also called with reserved=True.
 Measure = Callable[..., tuple[float, int]]
-# (run, device, parameters, counts, limit) -> predicted peak bytes of candidates, at least those
-# up to the first predicted over `limit` ({}: no prediction).
+# (run, device, parameters, counts, limit) -> predicted peak bytes of candidates, among them the
+# largest predicted to fit `limit` and the next larger one ({}: no prediction; a larger budget
+# is taken to need more, a smaller one less).
 Predict = Callable[[Callable[[], None], torch.device, list[torch.Tensor], list[Stats], int], dict[float, int]]
 
 
@@ -519,9 +521,8 @@ class AutoBudget:
             self._go(search.ladder, level)
             search.predicted[level] = self.predict(search.run, search.device, parameters, counts, search.limit)
         predicted = search.predicted[level]
-        order = [b for b in reversed(self.candidates) if b in predicted and predicted[b] <= search.limit]
-        if self.candidates[0] not in order:
-            order.append(self.candidates[0])
+        fitting = [b for b, peak in predicted.items() if peak <= search.limit]
+        order = [b for b in reversed(self.candidates) if fitting and b <= max(fitting)] or [self.candidates[0]]
         table = search.tables.setdefault(rung, [])
         for budget in order:
             measured = next((m for m in table if m.budget == budget), None) or self._measure_budget(
@@ -568,8 +569,8 @@ class AutoBudget:
         counts: list[Stats],
         limit: int,
     ) -> dict[float, int]:
-        """Candidates' peaks from one step traced at the lowest (compile_accel.saved_bytes), in
-        ascending order up to the first predicted over `limit`."""
+        """Candidates' peaks from one step traced at the lowest (compile_accel.saved_bytes): that
+        one, then by bisection (`predict_largest_fitting`)."""
         if self._estimate is None:
             self._estimate = SavedBytesEstimate(self.candidates, self.candidates[0])
         estimate = self._estimate
@@ -579,10 +580,7 @@ class AutoBudget:
         predicted: dict[float, int] = {}
         try:
             _, peak = _run_once(run, device, parameters)
-            for budget in self.candidates:
-                predicted[budget] = peak + estimate.added_bytes(budget)
-                if predicted[budget] > limit:
-                    break
+            predict_largest_fitting(self.candidates, lambda budget: peak + estimate.added_bytes(budget), limit, predicted)
         except torch.OutOfMemoryError:  # in the step: no prediction; in a partition's forward: those so far
             self._out_of_memory(device)
         finally:
@@ -633,6 +631,25 @@ class AutoBudget:
                 f"activation_memory_budget='auto' calibration stopped ({type(error).__name__}: {str(error)[:120]}); "
                 f"the blocks run at budget {self.candidates[0]} until it runs again, on the next training forward"
             )
+
+
+def predict_largest_fitting(
+    candidates: tuple[float, ...], predict: Callable[[float], int], limit: int, predicted: dict[float, int]
+) -> None:
+    """Into `predicted`, in the order asked: `predict` of the lowest candidate, then (if it fits
+    `limit`) of those a bisection for the largest that fits asks for, a larger budget being taken
+    to need more. Among them: the largest predicted to fit and the next larger one, if any."""
+    predicted[candidates[0]] = predict(candidates[0])
+    if predicted[candidates[0]] > limit:
+        return
+    low, high = 0, len(candidates) - 1  # candidates[low] fits; those above `high` do not
+    while low < high:
+        middle = (low + high + 1) // 2
+        predicted[candidates[middle]] = predict(candidates[middle])
+        if predicted[candidates[middle]] <= limit:
+            low = middle
+        else:
+            high = middle - 1
 
 
 def _climb(fastest: Callable[[int], Measurement | None], rungs: int) -> None:

@@ -12,8 +12,8 @@ the traced budget. The first time a budget is asked for, each graph's joint grap
 at it (on a copy) and that forward runs once on the kept inputs, to read the bytes of what the
 partition saves (storages, so a saved view keeps its whole base, as it does in training).
 Partitioning is most of what the estimate costs (about a second per graph and budget for a
-full-size block), so only the budgets asked for are partitioned: auto asks in ascending order
-and stops at the first predicted not to fit. `release_inputs()` drops the kept inputs.
+full-size block), so only the budgets asked for are partitioned: auto bisects for the largest
+predicted to fit. `release_inputs()` drops the kept inputs.
 
 The traced graphs hold the attention kernels the compiled step would run (cuDNN's, where
 torch picks it): the partitioner decides differently for them (cuDNN's attention is not among

@@ -13,7 +13,16 @@ from conftest import ONE_BLOCK_CLASS, build, inputs_for, lora_step, relative_err
 import compile_accel
 from compile_accel import CompileConfig, compile_workers
 from compile_accel import BlockOffloadConductor, saved_bytes
-from compile_accel.auto_budget import CANDIDATES, GIB, AutoBudget, Measurement, OffloadLadder, cache_path, choose
+from compile_accel.auto_budget import (
+    CANDIDATES,
+    GIB,
+    AutoBudget,
+    Measurement,
+    OffloadLadder,
+    cache_path,
+    choose,
+    predict_largest_fitting,
+)
 from compile_accel.memory import SavedActivationMeter
 from compile_accel.stats import Stats
 
@@ -145,8 +154,8 @@ def test_calibration_picks_the_fastest_fitting_budget_and_leaves_training_unchan
 def test_predicted_peaks_are_what_each_budget_saves(monkeypatch) -> None:
     """The traced step's prediction for every candidate against the bytes autograd saves in a
     step compiled at that budget (the CPU's peak), on the same batch: within 1% of the largest.
-    Budgets are partitioned when first asked for, in ascending order up to the first predicted
-    over the limit, and once."""
+    Budgets are partitioned when first asked for (bisection for the largest predicted to fit),
+    and once."""
     model, _ = _model()
     inputs = inputs_for(model)
     acceleration = _auto(model, 1.0, [])
@@ -163,17 +172,20 @@ def test_predicted_peaks_are_what_each_budget_saves(monkeypatch) -> None:
     def predict(run, device, parameters, counts, limit):
         real = acceleration.auto_budget._predict
         predictions.append(real(run, device, parameters, counts, limit=-1))  # over at the traced budget
-        predictions.append(real(run, device, parameters, counts, limit=predictions[0][0.0]))
-        predictions.append(real(run, device, parameters, counts, limit=2**62))
+        predictions.append(real(run, device, parameters, counts, limit=predictions[0][0.0]))  # only it fits
+        predictions.append(real(run, device, parameters, counts, limit=2**62))  # all fit
+        predictions.append(real(run, device, parameters, counts, limit=predictions[2][0.5] - 1))  # up to 0.3
         raise KeyboardInterrupt  # stop after the predictions
 
     acceleration.auto_budget.predict = predict
     with pytest.warns(RuntimeWarning, match="calibration stopped"), pytest.raises(KeyboardInterrupt):
         lora_step(model, [], inputs)
-    low, middle, predicted = predictions
-    assert list(low) == [0.0] and list(middle) == [0.0, 0.1] and list(predicted) == list(CANDIDATES)
-    assert low[0.0] == middle[0.0] == predicted[0.0] < middle[0.1] == predicted[0.1]
-    assert partitioned == [0.1, 0.3, 0.5, 0.7, 1.0]  # one graph: each other budget once, when asked for
+    low, traced, top, below_half = predictions
+    assert list(low) == [0.0] and list(traced) == [0.0, 0.5, 0.1] and list(top) == [0.0, 0.5, 0.7, 1.0]
+    assert list(below_half) == [0.0, 0.5, 0.1, 0.3]
+    predicted = {**traced, **top, **below_half}
+    assert all(p[0.0] == predicted[0.0] for p in predictions) and traced[0.5] == top[0.5]
+    assert partitioned == [0.5, 0.1, 0.7, 1.0, 0.3]  # one graph: each other budget once, when first asked for
     acceleration.remove()
     measured = {}
     for budget in CANDIDATES:
@@ -186,6 +198,23 @@ def test_predicted_peaks_are_what_each_budget_saves(monkeypatch) -> None:
     assert measured[1.0] > 2 * measured[0.0]  # the budgets differ enough for this to test something
     for budget in CANDIDATES:
         assert abs(predicted[budget] - measured[budget]) <= 0.01 * measured[1.0], (budget, predicted, measured)
+
+
+@pytest.mark.parametrize("fits_up_to", [-1, 0, 1, 2, 3, 4, 5])
+def test_bisection_predicts_the_largest_fitting_and_the_next_larger_with_few_partitions(fits_up_to: int) -> None:
+    asked = []
+
+    def predict(budget: float) -> int:
+        asked.append(budget)
+        return 0 if CANDIDATES.index(budget) <= fits_up_to else 2
+
+    predicted: dict[float, int] = {}
+    predict_largest_fitting(CANDIDATES, predict, 1, predicted)
+    fitting = [b for b, peak in predicted.items() if peak <= 1]
+    assert max(fitting, default=None) == (CANDIDATES[fits_up_to] if fits_up_to >= 0 else None)
+    if 0 <= fits_up_to < len(CANDIDATES) - 1:
+        assert CANDIDATES[fits_up_to + 1] in predicted  # the next larger, predicted over
+    assert len(asked) == len(set(asked)) <= 4  # the lowest, then at most three of the five others
 
 
 def test_inputs_kept_for_predicting_stand_in_for_what_moved_since() -> None:
