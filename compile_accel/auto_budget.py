@@ -457,7 +457,7 @@ class AutoBudget:
             "predicted": [
                 {"budget": b, "offload": level, "peak_bytes": peak}
                 for level, peaks in search.predicted.items()
-                for b, peak in peaks.items()
+                for b, peak in sorted(peaks.items())  # (asked for in bisection's order)
             ],
         }
         _write_cache(search.key, entry)
