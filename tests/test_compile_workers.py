@@ -257,15 +257,12 @@ def test_a_restart_loads_the_graphs_the_workers_compiled_from_inductors_cache(tr
     assert restart["loss"] < TOLERANCE and restart["grads"] < TOLERANCE, restart
 
 
-def test_graphs_inside_a_trainers_checkpoint_switch_between_steps_not_before_its_recompute(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Selective regions run inside the blocks' non-reentrant checkpoints, which recompute them
-    in the backward and check that they save what the forward saved. Graphs that come back
-    between a step's forward and its backward run uncompiled in that backward too."""
+def _twins_compiled_in_workers(cache: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list, Any, list]:
+    """The one-block-class DiT and its eager twin (same init, LoRA parameters of each), with an
+    empty inductor cache of its own at `cache`: its graphs compile in the workers, not loaded."""
     from torch._inductor.utils import clear_caches
 
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # compiled in the workers, not loaded
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
     clear_caches()
     torch._dynamo.reset()
     monkeypatch.setattr(compile_workers, "_first_step_done", False)
@@ -274,6 +271,18 @@ def test_graphs_inside_a_trainers_checkpoint_switch_between_steps_not_before_its
     model, params = build("kohya", "non-reentrant", **ONE_BLOCK_CLASS)
     torch.manual_seed(seed)
     eager, eager_params = build("kohya", "non-reentrant", **ONE_BLOCK_CLASS)
+    return model, params, eager, eager_params
+
+
+def test_graphs_inside_a_trainers_checkpoint_switch_between_steps_not_before_its_recompute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Selective regions run inside the blocks' non-reentrant checkpoints, which recompute them
+    in the backward and check that they save what the forward saved. Graphs that come back
+    between a step's forward and its backward run uncompiled in that backward too."""
+    from torch._inductor.utils import clear_caches
+
+    model, params, eager, eager_params = _twins_compiled_in_workers(tmp_path, monkeypatch)
     acceleration = compile_accel.apply(model, CompileConfig(mode="selective", compile_workers=WORKERS))
     gate = compile_workers._pool = _GatedPool(compile_workers._pool)
     errors = []
@@ -309,16 +318,8 @@ def test_auto_trains_on_while_a_candidates_graphs_compile_and_measures_it_once_t
     them. Every step trains as eager does."""
     from torch._inductor.utils import clear_caches
 
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # compiled in the workers
     monkeypatch.setenv("COMPILE_ACCEL_CACHE_DIR", str(tmp_path / "compile_accel"))  # no cached choice
-    clear_caches()
-    torch._dynamo.reset()
-    monkeypatch.setattr(compile_workers, "_first_step_done", False)
-    seed = torch.seed()
-    torch.manual_seed(seed)
-    model, params = build("kohya", "non-reentrant", **ONE_BLOCK_CLASS)
-    torch.manual_seed(seed)
-    eager, eager_params = build("kohya", "non-reentrant", **ONE_BLOCK_CLASS)
+    model, params, eager, eager_params = _twins_compiled_in_workers(tmp_path / "inductor", monkeypatch)
     config = CompileConfig(mode="blocks", activation_memory_budget="auto", vram_limit_gib=64.0, compile_workers=WORKERS)
     acceleration = compile_accel.apply(model, config)
     auto = acceleration.auto_budget
