@@ -580,7 +580,9 @@ class AutoBudget:
         predicted: dict[float, int] = {}
         try:
             _, peak = _run_once(run, device, parameters)
-            predict_largest_fitting(self.candidates, lambda budget: peak + estimate.added_bytes(budget), limit, predicted)
+            predict_largest_fitting(
+                self.candidates, lambda budget: peak + estimate.added_bytes(budget), limit, predicted
+            )
         except torch.OutOfMemoryError:  # in the step: no prediction; in a partition's forward: those so far
             self._out_of_memory(device)
         finally:

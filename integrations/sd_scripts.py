@@ -499,7 +499,11 @@ class Launch:
         once the graphs that were in the compile workers at the first step run compiled."""
         if not self._reported_first_step:
             self.first_step_done()
-        elif self._resave_after is not None and self._graphs_back() >= self._resave_after and self._auto_checking() is None:
+        elif (
+            self._resave_after is not None
+            and self._graphs_back() >= self._resave_after
+            and self._auto_checking() is None
+        ):
             self._resave()
 
     def _auto_checking(self) -> float | None:

@@ -535,10 +535,17 @@ def test_with_cuda_graphs_auto_reads_reserved_peaks_and_never_offloads() -> None
     ladder = training.auto.find_ladder(torch.device("cpu"))
     training.auto.remove()
     training.auto = AutoBudget(
-        training.model, training._set_budget, Stats(), 8.0, find_ladder=lambda device: ladder, measure=measure, cuda_graphs=True
+        training.model,
+        training._set_budget,
+        Stats(),
+        8.0,
+        find_ladder=lambda device: ladder,
+        measure=measure,
+        cuda_graphs=True,
     )
     training.auto.predict = training._predict
-    with pytest.warns(RuntimeWarning, match="no activation memory budget fits 8.00 GiB on this batch; using budget 0.0"):
+    nothing_fits = "no activation memory budget fits 8.00 GiB on this batch; using budget 0.0"
+    with pytest.warns(RuntimeWarning, match=nothing_fits):
         training.step()
     assert training.set_levels == [] and training.predicted_levels == [0]
     assert training.measured == [(0, 0.0)] and read == [True]

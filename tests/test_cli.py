@@ -263,8 +263,11 @@ def test_cudagraphs_turns_on_inductors_cuda_graphs_for_a_budget_mode(spec: str) 
     ],
 )
 def test_cudagraphs_is_refused_where_nothing_is_compiled_checkpointing_runs_or_weights_move(spec: str) -> None:
-    with pytest.raises(ValueError, match=r"\+cudagraphs goes after blocks\+budget=B or blocks\+auto alone: (CUDA graphs need whole blocks|"
-                       r"a CUDA graph records the blocks' weights where they are, and \+(offload|ddp|split) moves)"):
+    refused = (
+        r"\+cudagraphs goes after blocks\+budget=B or blocks\+auto alone: (CUDA graphs need whole blocks|"
+        r"a CUDA graph records the blocks' weights where they are, and \+(offload|ddp|split) moves)"
+    )
+    with pytest.raises(ValueError, match=refused):
         parse_mode(spec)
 
 

@@ -56,7 +56,9 @@ def test_cuda_graphs_train_as_eager_on_fresh_inputs(mode: str, budget: float | s
     torch.manual_seed(0)
     eager, eager_params, _ = _on_cuda()
     limit = 64.0 if budget == "auto" else None
-    config = CompileConfig(mode=mode, activation_memory_budget=budget, compile_mode="reduce-overhead", vram_limit_gib=limit)
+    config = CompileConfig(
+        mode=mode, activation_memory_budget=budget, compile_mode="reduce-overhead", vram_limit_gib=limit
+    )
     acceleration = compile_accel.apply(model, config)
     if budget == "auto":
         acceleration.auto_budget.candidates = (0.0, 0.5)  # 0.5 predicted to fit: calibration records its graphs
