@@ -305,10 +305,10 @@ class AutoBudget:
     (None: there is none); it is asked at calibration, so an offloader set up after apply()
     counts. `measure`, `predict`, `candidates` (the budgets, ascending) and `compiling` (how
     many graphs counting into a Stats are still in the compile workers) are replaceable for
-    tests. `cuda_graphs`: the regions replay
-    CUDA graphs (CompileConfig.compile_mode), which record the blocks' weights where they are: no
-    offload ladder, `measure` reads reserved peaks (called with reserved=True), and the CUDA
-    graphs of a candidate measured before are freed before the next one is.
+    tests. `cuda_graphs`: the regions replay CUDA graphs (CompileConfig.compile_mode), which
+    record the blocks' weights where they are: no offload ladder, `measure` reads reserved peaks
+    (called with reserved=True), and the CUDA graphs of a candidate measured before are freed
+    before the next one is.
 
     With compile workers, a candidate whose graphs went to them is measured at the first training
     step after they are back, on the same batch; until then the training steps run at that
@@ -357,10 +357,15 @@ class AutoBudget:
         """The budget whose graphs are in the compile workers, to be measured once they are back."""
         return None if self._search is None or self._search.in_workers is None else self._search.in_workers[1]
 
+    @property
+    def _in_workers_stats(self) -> Stats | None:
+        """What the candidate now in the compile workers compiled (None: none is there)."""
+        return None if self._search is None else self._search.in_workers_stats
+
     def counted(self) -> Stats:
         """The Acceleration's stats, with what a candidate in the compile workers compiled so far
         (counted apart until it is measured: its graphs switch to compiled in that run)."""
-        pending = None if self._search is None else self._search.in_workers_stats
+        pending = self._in_workers_stats
         if pending is None:
             return self.stats
         counted = copy.deepcopy(self.stats)
@@ -370,7 +375,7 @@ class AutoBudget:
     def remove(self) -> None:
         """Calibrate never (Acceleration.remove() calls this)."""
         self.handle.remove()
-        pending = None if self._search is None else self._search.in_workers_stats
+        pending = self._in_workers_stats
         self._search = None
         if pending is not None:
             compile_workers.hold_switches(pending, False)
@@ -388,7 +393,7 @@ class AutoBudget:
                     "default budget without checkpointing, or at the candidate being calibrated"
                 )
             return None
-        pending = None if self._search is None else self._search.in_workers_stats
+        pending = self._in_workers_stats
         if pending is not None and self.compiling(pending):
             return None  # the candidate's graphs are still in the compile workers
         self._running = True
