@@ -47,7 +47,8 @@ import torch.nn as nn
 from compile_accel import BlockOffloadConductor
 from compile_accel import compile_workers
 from compile_accel.auto_budget import AutoBudget
-from compile_accel.compile_cache import load_compile_cache, save_compile_cache
+from compile_accel.compile_cache import RunCompileCache, load_compile_cache, save_compile_cache
+from compile_accel.dynamo_settings import HAS_CACHE_ARTIFACTS
 from compile_accel.distributed import apply_ddp
 from compile_accel.memory import SavedActivationMeter
 from compile_accel.memory import gib_argument as _gib
@@ -257,6 +258,10 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
     if config.activation_memory_budget == "auto":
         config.vram_limit_gib = settings.vram_limit_gib
     acceleration = bench.accelerate(model, config)
+    # The launcher's run cache: loaded at the first forward, saved once the workers' graphs are back.
+    run_cache = None
+    if HAS_CACHE_ARTIFACTS and acceleration.regions:
+        run_cache = RunCompileCache(model, acceleration.signature, acceleration)
     if spec.whole_model:
         model.compile()
     if spec.ddp > 1:
@@ -291,6 +296,8 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
     synchronize(gpus)
     first = time.perf_counter() - start
     workers = _await_compile_workers(step, gpus, start, acceleration.auto_budget) if compile_workers.pending() else None
+    if run_cache is not None and _rank() == 0:  # as the launcher: before the worker pool stops
+        run_cache.save()
     compile_workers.first_step_done()  # the pool stops once its graphs are back
     for _ in range(settings.warmup):
         step()
@@ -323,6 +330,14 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
     }
     if workers is not None:
         stats["compile_workers"] = workers
+    if run_cache is not None:
+        writing = run_cache.precompiling
+        stats["precompiled"] = {
+            "loaded": run_cache.precompiled_loaded,
+            "ran": sum(f.precompiled.used for f in acceleration.functions),
+            # Waited for here (the next start reads the file): compiled in the workers meanwhile.
+            "written": None if writing is None else writing.join(),
+        }
     if cache_file is not None and _rank() == 0:
         stats["compile_cache"] = {"loaded": cache_loaded, "saved_bytes": save_compile_cache(cache_file)}
     if conductor is not None:

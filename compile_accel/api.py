@@ -89,6 +89,11 @@ class Acceleration:
         return stats
 
     @property
+    def functions(self) -> list[CompiledFunction]:
+        """The compiled functions the regions share (one per block class and method)."""
+        return list(dict.fromkeys(region.shared for region in self.regions))
+
+    @property
     def signature(self) -> str:
         """What is compiled and how (region names, config less auto's limit): part of the keys
         of auto's calibration cache and of the compiled-graph cache."""

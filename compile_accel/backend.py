@@ -127,13 +127,13 @@ def compiled_call_running() -> bool:
     return getattr(_running, "depth", 0) > 0
 
 
-def _flagging(compiled: Callable) -> Callable:
+def flagged(compiled: Callable) -> Callable:
     """`compiled`, with `compiled_call_running()` true while it runs."""
 
-    def run(*args: Any) -> Any:
+    def run(*args: Any, **kwargs: Any) -> Any:
         _running.depth = getattr(_running, "depth", 0) + 1
         try:
-            return compiled(*args)
+            return compiled(*args, **kwargs)
         finally:
             _running.depth -= 1
 
@@ -154,6 +154,7 @@ class RegionBackend:
         self, config: CompileConfig, budget: float | None, stats: Stats, estimate: SavedBytesEstimate | None = None
     ) -> None:
         # With an estimate: traced for auto's calibration, without inductor (compile_accel.saved_bytes).
+        self.estimating = estimate is not None
         self.inner = _inner_backend(config) if estimate is None else estimate.backend()
         self.budget = budget
         self.stats = stats
@@ -177,6 +178,14 @@ class RegionBackend:
     def _compile_here(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         with self._settings():
             return self.inner(gm, example_inputs)
+
+    def for_precompile(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        """This backend as torch's aot_compile calls it (compile_accel.precompile): the same
+        attention rewrite, the graph compiled in a worker under this backend's settings and
+        aot_compile's."""
+        rewrite_attention(gm)
+        with self._settings():
+            return compile_workers.precompile_in_workers(gm, example_inputs, self.inner)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         op = _complex_op(gm)
@@ -204,7 +213,7 @@ class RegionBackend:
                 )
         else:
             compiled = self._compile_here(gm, example_inputs)
-        compiled = _flagging(compiled)
+        compiled = flagged(compiled)
         # Counted once compiled: a compile that raised (or a Ctrl-C) made no graph, and the
         # retry of the same graph is no recompile.
         self.stats.record_graph(signature)

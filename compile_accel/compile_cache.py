@@ -11,24 +11,32 @@ same settings; anything else compiles as usual.
 `save_compile_cache` / `load_compile_cache` work with a file you name. `RunCompileCache` keeps
 one file per run in the user's cache directory (compile_accel.cache_files: model, what is
 compiled and how, input shapes, GPU, torch version), loads it on the model's first forward and
-saves it after the first step (the sd-scripts launcher, which uses it, saves it again once the
-graphs then in the compile workers run compiled: a graph is in the artifacts once this process
-loaded it).
+saves it after the first step (the sd-scripts launcher and the bench, which use it, save it
+again once the graphs then in the compile workers run compiled: a graph is in the artifacts
+once this process loaded it). Beside it, under the same key, the regions' precompiled graphs
+(compile_accel.precompile), which a warm start runs without dynamo's trace: with compile
+workers, traced at the first save with no graph of the run in the workers, written once the
+workers compiled them.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
-from . import compile_workers
+from . import compile_workers, precompile
 from .cache_files import cache_dir, run_inputs, run_key, write_atomically
 from .dynamo_settings import HAS_CACHE_ARTIFACTS
 from .stats import warn
+
+if TYPE_CHECKING:
+    from .api import Acceleration
 
 logger = logging.getLogger("compile_accel")
 
@@ -62,6 +70,7 @@ def load_compile_cache(path: str | os.PathLike) -> bool:
     if not Path(path).is_file():
         logger.info("compile cache: no %s yet; compiling from scratch", path)
         return False
+    start = time.perf_counter()
     try:
         info = torch.compiler.load_cache_artifacts(Path(path).read_bytes())
     except Exception as error:  # torch raises whatever its unpickling meets in a damaged file
@@ -71,7 +80,7 @@ def load_compile_cache(path: str | os.PathLike) -> bool:
     if info is None:
         warn(f"compile cache: could not load {path} ({why}); compiling from scratch")
         return False
-    logger.info("compile cache: loaded %s (%s)", path, info)
+    logger.info("compile cache: loaded %s in %.1f s (%s)", path, time.perf_counter() - start, info)
     return True
 
 
@@ -81,16 +90,25 @@ class RunCompileCache:
     A forward pre-hook on `model` (ahead of any other, so before auto's calibration compiles)
     keys the file on the first call's inputs and loads it when there is one; `save()` after the
     first step writes it when something was compiled that the file did not hold. `compiled`
-    describes what is compiled and how (regions, config) for the key.
+    describes what is compiled and how (regions, config) for the key. `acceleration`: the one
+    whose graphs are precompiled (compile_accel.precompile), with compile workers only (compiled
+    in this process, a second compile of every graph would hold up the steps).
     """
 
-    def __init__(self, model: nn.Module, compiled: str) -> None:
+    def __init__(self, model: nn.Module, compiled: str, acceleration: Acceleration | None = None) -> None:
         _require()
         self.model = model
         self.compiled = compiled
+        self.acceleration = acceleration
+        supported = precompile.SUPPORTED and compile_workers.SUPPORTED
+        use = supported and acceleration is not None and acceleration.config.compile_workers > 0
+        self.functions = acceleration.functions if use else []
         self.path: Path | None = None  # known at the first forward
         self.loaded = False
+        self.precompiled_loaded = 0  # graphs read at the first forward
+        self.precompiling: precompile.PrecompileSave | None = None
         self._compiled_before_save = 0
+        self._precompile_asked = False
         self._handle = model.register_forward_pre_hook(self._first_forward, with_kwargs=True, prepend=True)
 
     def _first_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -100,18 +118,47 @@ class RunCompileCache:
         inputs, device = run_inputs(args, kwargs)
         self.path = cache_dir() / "compiled" / f"{run_key(self.model, self.compiled, inputs, device)}.bin"
         self.loaded = load_compile_cache(self.path)
+        if self.functions:
+            functions = [f.precompiled for f in self.functions]
+            self.precompiled_loaded = precompile.load_precompiled(functions, self._precompiled_path)
         self._compiled_before_save = _graphs_compiled()
+
+    @property
+    def _precompiled_path(self) -> Path:
+        return self.path.with_suffix(".precompiled")
 
     def save(self) -> int:
         """Write the file if graphs were compiled since it was loaded (or it was not there);
-        returns the bytes written. A failed write warns: the run goes on."""
-        if self.path is None or (self.loaded and _graphs_compiled() == self._compiled_before_save):
+        returns the bytes written. A failed write warns: the run goes on. The graphs compiled
+        here are precompiled once, at the first call with none in the compile workers."""
+        if self.path is None:
+            return 0
+        if self._precompile_due():
+            self._precompile_asked = True
+            self.precompiling = precompile.save_precompiled(
+                [
+                    (f.precompiled, f.precompile_for, budget)
+                    for f in self.functions
+                    if (budget := f.precompile_budget()) is not False
+                ],
+                self._precompiled_path,
+            )
+        if self.loaded and _graphs_compiled() == self._compiled_before_save:
             return 0
         try:
             return save_compile_cache(self.path)
         except OSError as error:
             warn(f"compile cache: could not write {self.path}: {error}")
             return 0
+
+    def _precompile_due(self) -> bool:
+        """Once per run, at the first save with the worker pool up (started at apply, stopped
+        once the first step is done and no graph is out: a new pool would take GPU memory
+        from the training) and the budget chosen (auto has calibrated)."""
+        if not self.functions or self._precompile_asked or not compile_workers.running():
+            return False
+        auto = self.acceleration.auto_budget
+        return auto is None or auto.result is not None
 
     def remove(self) -> None:
         """Load nothing (if the first forward has not come yet)."""

@@ -376,17 +376,79 @@ def _compile_packed(packed: bytes, compiler: Callable) -> Callable:
         return compiler(gm, fakes)
 
 
-def _compile_in_worker(job: bytes, env: dict[str, str]) -> dict[str, int]:
-    """In a worker: compile one graph as the training process would, into the caches it reads.
-    Returns AOTAutograd's cache counters of the compile (a bypass: the caches cannot hold it)."""
+def _job(packed: bytes, compiler: Callable) -> bytes:
+    """A graph's compile for a worker: the graph, the compiler and the settings in force now."""
+    return pickle.dumps(
+        (
+            packed,
+            compiler,
+            torch._inductor.config.save_config_portable(),
+            torch._functorch.config.save_config_portable(),
+            _runtime_state(),
+        )
+    )
+
+
+def _compile_job(job: bytes, env: dict[str, str]) -> Callable:
+    """In a worker: compile a _job's graph as the training process would."""
     os.environ.update(env)  # the training process's cache directories
     packed, compiler, inductor_settings, functorch_settings, state = pickle.loads(job)
     torch._inductor.config.load_config(inductor_settings)
     torch._functorch.config.load_config(functorch_settings)
-    counted = torch._dynamo.utils.counters["aot_autograd"].copy()
     with _in_runtime_state(state):
-        _compile_packed(packed, compiler)
+        return _compile_packed(packed, compiler)
+
+
+def _compile_in_worker(job: bytes, env: dict[str, str]) -> dict[str, int]:
+    """In a worker: compile one graph into the caches the training process reads. Returns
+    AOTAutograd's cache counters of the compile (a bypass: the caches cannot hold it)."""
+    counted = torch._dynamo.utils.counters["aot_autograd"].copy()
+    _compile_job(job, env)
     return dict(torch._dynamo.utils.counters["aot_autograd"] - counted)
+
+
+def _precompile_in_worker(job: bytes, env: dict[str, str]) -> bytes:
+    """In a worker: compile one graph as torch's aot_compile does (the job's settings bundle the
+    kernels into AOTAutograd's entry) and return it serialized (compile_accel.precompile)."""
+    from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable as Bundled
+
+    return Bundled.serialize_compile_artifacts(Bundled(_compile_job(job, env)))
+
+
+class WorkerPrecompiled:
+    """A graph that torch's aot_compile handed to the compile workers (`precompile_in_workers`):
+    it serializes as what the worker returns, waiting for it, and loads as torch's own bundled
+    graphs do. It does not run here."""
+
+    def __init__(self, future: concurrent.futures.Future) -> None:
+        self.future = future
+
+    @classmethod
+    def serialize_compile_artifacts(cls, fn: WorkerPrecompiled) -> bytes:
+        return fn.future.result()
+
+    @classmethod
+    def deserialize_compile_artifacts(cls, data: bytes) -> Any:
+        from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable
+
+        return BundledAOTAutogradSerializableCallable.deserialize_compile_artifacts(data)
+
+    def __call__(self, *args: Any) -> Any:
+        raise RuntimeError("a graph precompiled in a compile worker runs once saved and loaded")
+
+
+def precompile_in_workers(gm: torch.fx.GraphModule, example_inputs: list[Any], compiler: Callable) -> WorkerPrecompiled:
+    """What the precompile backend returns for `gm` (inside torch's aot_compile, whose settings
+    the worker compiles under): the graph handed to a worker. RuntimeError for a graph that
+    cannot go (symbolic shapes, tensor subclasses, an op the pickler refuses)."""
+    from torch._dynamo.aot_compile_types import SerializableCallable
+
+    SerializableCallable.register(WorkerPrecompiled)  # what aot_compile takes
+    with _unseen_by_checkpoints():
+        packed = _pack_graph(gm, example_inputs)
+    if isinstance(packed, str):
+        raise RuntimeError(f"cannot hand the graph to a compile worker: {packed}")
+    return WorkerPrecompiled(_submit(_precompile_in_worker, _job(packed, compiler), _cache_env()))
 
 
 _ATTENTION_WITHOUT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -519,16 +581,7 @@ def compile_in_workers(
     try:
         if isinstance(packed, str):
             raise RuntimeError(packed)
-        job = pickle.dumps(
-            (
-                packed,
-                compiler,
-                torch._inductor.config.save_config_portable(),
-                torch._functorch.config.save_config_portable(),
-                _runtime_state(),
-            )
-        )
-        future = _submit(_compile_in_worker, job, _cache_env())
+        future = _submit(_compile_in_worker, _job(packed, compiler), _cache_env())
     except Exception as error:  # a graph or setting that does not pickle; no pool could start
         warn(f"{label} could not be handed to a compile worker ({error}); it compiles in this process")
         return compile_here(gm, example_inputs)

@@ -29,7 +29,9 @@ from .backend import RegionBackend
 from .checkpointing import under_saved_tensor_checkpoint
 from .saved_bytes import SavedBytesEstimate
 from .config import CompileConfig
+from .config import CUDA_GRAPH_MODES
 from .dynamo_settings import COMPILE_TAKES_RECOMPILE_LIMIT, ensure_thread_settings
+from .precompile import Precompiled
 from .selective import RegionSpec
 from .stats import RECOMPILE_LIMIT_WATCHER, Stats, graph_break_total, warn
 
@@ -59,6 +61,7 @@ class CompiledFunction:
         # pair is checked for compiling none; dynamo guards both, so that call must compile one.
         self.compiled_contexts: set[tuple[type, bool]] = set()
         self._warned_checkpoint = False
+        self.precompiled = Precompiled(fn)
         self._by_budget: dict[tuple[float | None, SavedBytesEstimate | None], tuple[RegionBackend, Callable]] = {}
         budget = config.activation_memory_budget
         self.use_budget(None if budget == "auto" else budget, stats)
@@ -119,6 +122,12 @@ class CompiledFunction:
         ensure_thread_settings(self.recompile_limit)
         module = region.module
         args, kwargs, aliased_views = _canonical_inputs(args, kwargs, module.training and torch.is_grad_enabled())
+        budget = self.precompile_budget()
+        loaded = None if budget is False else self.precompiled.find(region.owner, args, kwargs, budget)
+        if loaded is not None:  # compiled at an earlier start (compile_accel.precompile)
+            out = loaded(*args, **kwargs) if region.owner is None else loaded(region.owner, *args, **kwargs)
+            _check_aliased_views(region, aliased_views)
+            return out
         stats = self.stats
         graphs, breaks, start = stats.graphs, graph_break_total(), time.perf_counter()
         context = (type(module), torch.is_grad_enabled())
@@ -141,12 +150,7 @@ class CompiledFunction:
             out = region.eager(*args, **kwargs)
             self.fail(_failure_reason(error), type(module))
             return out
-        if any(alias._version != version for alias, version in aliased_views):
-            raise RuntimeError(
-                f"compile_accel: {region.name} changed a view or non-contiguous input in place; compiled regions get "
-                "such inputs as plain (or copied) tensors, so the change or its base's gradient would be lost. "
-                "Leave the module eager (CompileConfig.exclude)."
-            )
+        _check_aliased_views(region, aliased_views)
         new_breaks, elapsed = graph_break_total() - breaks, time.perf_counter() - start
         if stats.graphs != graphs or new_breaks:
             stats.compile_seconds += elapsed
@@ -163,6 +167,8 @@ class CompiledFunction:
                 stats.graphs,
             )
             self.compiled_contexts.add(context)
+            if budget is not False:
+                self.precompiled.note(region.owner, args, kwargs, budget)
             if self.backend.saw_checkpoint:
                 self.backend.saw_checkpoint = False
                 self.note_still_checkpointed(self.regions, "their forward calls torch.utils.checkpoint")
@@ -172,12 +178,34 @@ class CompiledFunction:
             self.fail(_no_graph_reason(break_reasons), type(module))
         return out
 
+    def precompile_budget(self) -> float | None | bool:
+        """The budget graphs compiled now are precompiled for (compile_accel.precompile); False
+        while none are: auto's traced estimate, CUDA graphs (recorded per process)."""
+        if self.backend.estimating or self.config.compile_mode in CUDA_GRAPH_MODES:
+            return False
+        return self.backend.budget
+
+    def precompile_for(self, budget: float | None) -> Callable:
+        """torch.compile of the function as `aot_compile` needs it, at `budget`."""
+        backend = RegionBackend(self.config, budget, Stats())
+        dynamic = self.config.compile_dynamic
+        return torch.compile(self.fn, backend=backend.for_precompile, fullgraph=True, dynamic=dynamic)
+
     def _on_recompile_limit(self, reason: str) -> None:
         self.stats.recompile_limit_hits += 1
         warn(
             f"{self.name} hit recompile_limit={self.recompile_limit}; dynamo runs the inputs that missed "
             f"every graph eager (last reason: {reason}). Raise CompileConfig.recompile_limit, or set "
             "dynamic=True if the inputs change shape (aspect-ratio buckets)"
+        )
+
+
+def _check_aliased_views(region: Region, aliased_views: list[tuple[torch.Tensor, int]]) -> None:
+    if any(alias._version != version for alias, version in aliased_views):
+        raise RuntimeError(
+            f"compile_accel: {region.name} changed a view or non-contiguous input in place; compiled regions get "
+            "such inputs as plain (or copied) tensors, so the change or its base's gradient would be lost. "
+            "Leave the module eager (CompileConfig.exclude)."
         )
 
 

@@ -478,7 +478,7 @@ class Launch:
         except UnknownLayout as error:  # this checkout's models are not the ones the launcher knows
             raise LaunchError(f"unknown sd-scripts layout: {error}") from None
         if HAS_CACHE_ARTIFACTS and not self.args.no_compile_cache:
-            self.compile_cache = RunCompileCache(model, self.acceleration.signature)
+            self.compile_cache = RunCompileCache(model, self.acceleration.signature, self.acceleration)
             self.acceleration.on_remove(self.compile_cache.remove)
         switched = self.acceleration.stats()["checkpointing_switched_off"]
         _say(
@@ -547,6 +547,9 @@ class Launch:
                 self._resave_after = stats["worker_graphs_started"]
                 saved += " (again once the compile workers' graphs run compiled)"
             cache = f"; compiled graphs {loaded} {self.compile_cache.path}{saved}"
+            precompiled = sum(f.precompiled.used for f in self.acceleration.functions)
+            if precompiled:
+                cache += f", {precompiled} of them precompiled at an earlier start (run without dynamo's trace)"
         times = self.acceleration.compile_times()
         could_use_workers = not self.acceleration.config.compile_workers and compile_workers.SUPPORTED
         if waiting:

@@ -33,10 +33,12 @@ def fresh_dynamo():
 
 @pytest.fixture(autouse=True)
 def compile_workers_first_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    """compile_workers.first_step_done() marks the whole process (the launcher's tests call it);
-    each test starts with the mark as the process had it."""
+    """compile_workers.first_step_done() marks the whole process (the launcher's tests call it):
+    each test starts with the mark as the process had it, no hold and no graph pending."""
     monkeypatch.setattr(compile_workers, "_first_step_done", compile_workers._first_step_done)
     monkeypatch.setattr(compile_workers, "_held", set())  # a failed test's hold stays with it
+    # Graphs a test left in the workers (its model gone) are not the next test's pending ones.
+    monkeypatch.setattr(compile_workers, "_unswitched", [])
 
 
 # Single-stream blocks only: one block class, whose compile is a fraction of the double-stream

@@ -98,6 +98,9 @@ def test_doctor_names_the_distribution_that_provides_triton(
 
 
 def test_doctor_asks_windows_users_for_triton_windows(monkeypatch) -> None:
+    # Inductor's C++ code generation reads sys.platform once, at its import (which this test's
+    # patches set off): imported now, a later compile in this process writes Linux code.
+    importlib.import_module("torch._inductor.codegen.cpp")
     monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(sys, "platform", "win32")

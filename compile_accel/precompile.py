@@ -1,0 +1,291 @@
+"""Warm starts without dynamo's trace: region graphs saved as torch's precompiled functions.
+
+With inductor's and AOTAutograd's caches warm, a first step still traces each region graph with
+dynamo and loads AOTAutograd's entries before the step runs: 3.1-5.9 s of compile time in the
+warm first steps of sd-scripts' Flux fp8 and Lumina 2 on an H200
+(benchmarks/results/h200_precompile/). torch's `aot_compile` (experimental, torch >= 2.10) turns
+one call of a function into an object holding the compiled graph (its kernels bundled) and
+dynamo's guards, which saves to bytes and loads in another process without a trace.
+
+Each CompiledFunction (compile_accel.regions) has a `Precompiled`:
+- `note(owner, args, kwargs, budget)`: a call that compiled a graph, kept as its layout (the
+  instance the function was called on, each tensor's shape, strides, dtype, device and
+  requires_grad, the other arguments as they are), with its grad mode and autocast.
+- `capture(compile_for, budget)`: each call noted at `budget` traced again by `aot_compile` on
+  stand-in tensors of its layout. The graph goes to the compile workers
+  (compile_accel.compile_workers.precompile_in_workers), which compile it as aot_compile does:
+  its bundled form bypasses inductor's graph cache, so it is a second compile of the graph
+  (14-25 s for Flux's and Lumina 2's blocks in the training process), kept off the steps.
+- `load(entries)`, then `find(owner, args, kwargs, budget)`: a loaded graph compiled at this
+  budget for this class, grad mode and autocast whose guards pass for the call, or None (the
+  call then compiles as usual).
+
+`save_precompiled` traces after the first step and returns a PrecompileSave, whose thread writes
+one file for all of a run's functions once the workers are done; `load_precompiled` reads it.
+compile_accel.compile_cache keeps that file beside the run's cache artifacts, under the same
+key. A call that cannot be precompiled (a graph break, an input whose guard torch cannot save) is
+left out with a log line, and compiles as usual at the next start.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from .backend import flagged
+from .cache_files import write_atomically
+from .stats import warn
+
+logger = logging.getLogger("compile_accel")
+
+try:
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+except ImportError:  # torch < 2.10
+    AOTCompiledFunction = None
+SUPPORTED = AOTCompiledFunction is not None and hasattr(torch._dynamo.config, "enable_aot_compile")
+
+_FORMAT = 1  # of the file; another is read as no file
+
+
+@dataclass(frozen=True)
+class _TensorLayout:
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+
+    def stand_in(self) -> torch.Tensor:
+        tensor = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
+        return tensor.requires_grad_(self.requires_grad)
+
+
+def _layout(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return _TensorLayout(tuple(value.shape), value.stride(), value.dtype, value.device, value.requires_grad)
+    return value
+
+
+def _stand_in(value: Any) -> Any:
+    return value.stand_in() if isinstance(value, _TensorLayout) else value
+
+
+def call_context() -> tuple:
+    """Grad mode and autocast (its dtype per device type, None where off): what a graph was
+    compiled under, which the loaded one is only called under again (torch leaves these
+    global guards out of a saved function)."""
+    return (
+        torch.is_grad_enabled(),
+        *(torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None for d in ("cuda", "cpu")),
+    )
+
+
+def _entered(context: tuple) -> ExitStack:
+    stack = ExitStack()
+    grad, *autocast = context
+    stack.enter_context(torch.set_grad_enabled(grad))
+    for device_type, dtype in zip(("cuda", "cpu"), autocast):
+        if dtype is not None:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype))
+        elif torch.is_autocast_enabled(device_type):
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+    return stack
+
+
+def _kind(owner: Any) -> str:
+    return "" if owner is None else f"{type(owner).__module__}.{type(owner).__qualname__}"
+
+
+@dataclass
+class _Call:
+    owner: weakref.ref | None  # the instance the function was called on
+    kind: str
+    args: tuple  # layouts of the call's arguments after the instance
+    kwargs: dict
+    context: tuple
+    budget: float | None
+
+
+@dataclass
+class _Loaded:
+    kind: str
+    context: tuple
+    budget: float | None
+    function: Any  # AOTCompiledFunction
+    run: Callable  # its compiled call, flagged as one (compile_accel.backend.compiled_call_running)
+    used: bool = False
+
+
+class Precompiled:
+    """The precompiled graphs of one shared function (module docstring); `owner` is the
+    instance a call passes first (a method shared by a class), None for a plain function."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+        self.name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}"
+        self._noted: list[_Call] = []
+        self.loaded: list[_Loaded] = []
+        self.loaded_entries: list[tuple] = []  # as read, written again beside new ones
+
+    @property
+    def used(self) -> int:
+        """Loaded graphs that ran."""
+        return sum(loaded.used for loaded in self.loaded)
+
+    def note(self, owner: Any, args: tuple, kwargs: dict, budget: float | None) -> None:
+        noted = _Call(
+            None if owner is None else weakref.ref(owner),
+            _kind(owner),
+            pytree.tree_map(_layout, args),
+            pytree.tree_map(_layout, kwargs),
+            call_context(),
+            budget,
+        )
+        if not any(_same_call(noted, other) for other in self._noted):
+            self._noted.append(noted)
+
+    def capture(self, compile_for: Callable[[float | None], Callable], budget: float | None) -> list[tuple]:
+        """Each call noted at `budget` traced by `aot_compile` on stand-ins of its layout, its
+        graph handed to the compile workers: (kind, context, budget, torch's compiled
+        function), which serializes once the worker is done. A call torch cannot precompile is
+        logged and left out."""
+        captured = []
+        for call in (c for c in self._noted if c.budget == budget):
+            owner = None if call.owner is None else call.owner()
+            if call.owner is not None and owner is None:
+                continue  # the module is gone
+            args = pytree.tree_map(_stand_in, call.args)
+            kwargs = pytree.tree_map(_stand_in, call.kwargs)
+            try:
+                with _entered(call.context), torch._dynamo.config.patch(enable_aot_compile=True):
+                    compiled = compile_for(budget).aot_compile((args if owner is None else (owner, *args), kwargs))
+            except Exception as error:  # torch's own refusals: a graph break, a guard it cannot save
+                _left_out(self.name, call.kind, error)
+                continue
+            captured.append((call.kind, call.context, budget, compiled))
+        return captured
+
+    def load(self, entries: Sequence[tuple]) -> None:
+        self.loaded_entries = list(entries)
+        for kind, context, budget, data in entries:
+            function = AOTCompiledFunction.deserialize(data, getattr(self.fn, "__globals__", None))
+            self.loaded.append(_Loaded(kind, context, budget, function, flagged(function.fn)))
+
+    def find(self, owner: Any, args: tuple, kwargs: dict, budget: float | None) -> Callable | None:
+        """The loaded graph for this call at `budget` (module docstring), or None. It is called
+        as the function is: the instance first, if any."""
+        if not self.loaded:
+            return None
+        kind, context = _kind(owner), call_context()
+        call = args if owner is None else (owner, *args)
+        for loaded in self.loaded:
+            if (
+                loaded.budget == budget
+                and loaded.kind == kind
+                and loaded.context == context
+                and loaded.function.guard_check(*call, **kwargs)
+            ):
+                loaded.used = True
+                return loaded.run
+        return None
+
+
+def _left_out(name: str, kind: str, error: Exception) -> None:
+    logger.info("precompile: %s (%s) left out: %s: %s", name, kind, type(error).__name__, str(error)[:200])
+
+
+def _same_call(a: _Call, b: _Call) -> bool:
+    return (a.kind, a.args, a.kwargs, a.context, a.budget) == (b.kind, b.args, b.kwargs, b.context, b.budget)
+
+
+class PrecompileSave:
+    """Graphs being precompiled for the next start: traced here, compiled in the compile workers,
+    written to `path` by a thread of its own once all are back (with the graphs loaded from
+    it). `written`: the graphs in the file (None until the thread is done; 0: nothing written)."""
+
+    def __init__(self, captured: dict[Precompiled, list[tuple]], path: Path) -> None:
+        self.graphs = sum(map(len, captured.values()))
+        self.written: int | None = None
+        self._start = time.perf_counter()
+        self._thread = threading.Thread(
+            target=self._write, args=(captured, path), name="compile_accel-precompile", daemon=True
+        )
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> int | None:
+        self._thread.join(timeout)
+        return self.written
+
+    def _write(self, captured: dict[Precompiled, list[tuple]], path: Path) -> None:
+        saved = {}
+        for precompiled, graphs in captured.items():
+            entries = list(precompiled.loaded_entries)
+            for kind, context, budget, compiled in graphs:
+                try:
+                    entries.append((kind, context, budget, type(compiled).serialize(compiled).serialized_data))
+                except Exception as error:  # the worker's compile error
+                    _left_out(precompiled.name, kind, error)
+            if entries:
+                saved[precompiled.name] = entries
+        count = sum(map(len, saved.values()))
+        try:
+            write_atomically(path, pickle.dumps({"format": _FORMAT, "torch": torch.__version__, "functions": saved}))
+        except OSError as error:
+            warn(f"precompile: could not write {path}: {error}")
+            self.written = 0
+            return
+        self.written = count
+        logger.info(
+            "precompile: %d graphs precompiled for the next start, %.1f s after the first step (%s)",
+            count,
+            time.perf_counter() - self._start,
+            path,
+        )
+
+
+def save_precompiled(
+    functions: Sequence[tuple[Precompiled, Callable[[float | None], Callable], float | None]], path: Path
+) -> PrecompileSave | None:
+    """Trace each function's calls noted at its budget (compile_for(budget) gives the
+    torch.compile to precompile with) and hand their graphs to the compile workers; the
+    PrecompileSave writes `path` once they are back. None when no graph was precompiled (the
+    file stays as it is)."""
+    captured = {precompiled: precompiled.capture(compile_for, budget) for precompiled, compile_for, budget in functions}
+    if not any(captured.values()):
+        return None
+    return PrecompileSave(captured, path)
+
+
+def load_precompiled(functions: Sequence[Precompiled], path: Path) -> int:
+    """Load the graphs `path` holds for `functions`; returns how many (0 without a file). A file
+    torch cannot read warns, and everything compiles as usual."""
+    if not path.is_file():
+        return 0
+    start = time.perf_counter()
+    try:
+        saved = pickle.loads(path.read_bytes())
+        if saved.get("format") != _FORMAT or saved.get("torch") != torch.__version__:
+            return 0
+        count = 0
+        for precompiled in functions:
+            entries = saved["functions"].get(precompiled.name, [])
+            precompiled.load(entries)
+            count += len(entries)
+    except Exception as error:  # a damaged file: whatever unpickling or torch's loader raises
+        for precompiled in functions:
+            precompiled.loaded.clear()
+        warn(f"precompile: could not load {path} ({type(error).__name__}: {str(error)[:120]}); compiling as usual")
+        return 0
+    logger.info("precompile: loaded %d graphs from %s in %.1f s", count, path, time.perf_counter() - start)
+    return count

@@ -1,0 +1,119 @@
+"""Precompiled graphs (compile_accel.precompile): compiled in the compile workers after a first
+start, a new start runs them without dynamo's trace, as eager does, and compiles as usual
+whatever they do not fit or a damaged file."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ONE_BLOCK_CLASS, build, inputs_for, lora_step, relative_error
+
+import compile_accel
+from compile_accel import CompileConfig, compile_workers, precompile
+from compile_accel.compile_cache import RunCompileCache
+from compile_accel.dynamo_settings import HAS_CACHE_ARTIFACTS
+
+pytestmark = pytest.mark.skipif(
+    not (precompile.SUPPORTED and HAS_CACHE_ARTIFACTS and compile_workers.SUPPORTED),
+    reason="needs torch's aot_compile, cache artifacts and compile workers",
+)
+
+CONFIG = CompileConfig(mode="blocks", activation_memory_budget=0.5, compile_workers=2)
+
+
+def _start(cache_dir: Path) -> tuple[torch.nn.Module, list, compile_accel.Acceleration, RunCompileCache]:
+    """A new start (fresh dynamo, same seed, same cache directory): the model accelerated, its run cache."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, params = build("kohya", None, **ONE_BLOCK_CLASS)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("COMPILE_ACCEL_CACHE_DIR", str(cache_dir))
+        acceleration = compile_accel.apply(model, CONFIG)
+        cache = RunCompileCache(model, acceleration.signature, acceleration)
+        model(*inputs_for(model))  # the first forward keys the cache and loads what it holds
+    return model, params, acceleration, cache
+
+
+@pytest.fixture(scope="module")
+def first_start(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
+    """The cache directory after a first start that compiled a step and saved; its graphs."""
+    cache_dir = tmp_path_factory.mktemp("first_start")
+    model, params, acceleration, cache = _start(cache_dir)
+    lora_step(model, params, inputs_for(model))
+    cache.save()  # traces for the workers, whose compile is written by a thread
+    graphs = acceleration.stats()["unique_graphs"]
+    assert graphs > 0 and cache.precompiling.join(timeout=600) == graphs and cache.precompiled_loaded == 0
+    return cache_dir, graphs
+
+
+@pytest.fixture
+def cache_dir(first_start: tuple[Path, int], tmp_path: Path) -> Path:
+    """A copy of the first start's cache directory, for one test to use or damage."""
+    copy = tmp_path / "cache"
+    shutil.copytree(first_start[0], copy)
+    return copy
+
+
+def _eager_step(inputs: tuple) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    eager, params = build("kohya", None, **ONE_BLOCK_CLASS)
+    return lora_step(eager, params, inputs)
+
+
+def _assert_as_eager(model: torch.nn.Module, params: list, inputs: tuple) -> None:
+    """Loss and LoRA gradients of a step within 1e-4 of eager's (fp32; inductor reorders sums), as test_parity."""
+    loss, grads = lora_step(model, params, inputs)
+    expected_loss, expected_grads = _eager_step(inputs)
+    assert relative_error(loss, expected_loss) < 1e-4
+    assert max(map(relative_error, grads, expected_grads)) < 1e-4
+
+
+def test_a_new_start_runs_the_precompiled_graphs_without_dynamo_and_as_eager(first_start, cache_dir) -> None:
+    model, params, acceleration, cache = _start(cache_dir)
+    assert cache.precompiled_loaded == first_start[1]
+    _assert_as_eager(model, params, inputs_for(model))  # fresh random inputs
+    assert acceleration.stats()["unique_graphs"] == 0  # dynamo traced nothing
+    assert sum(f.precompiled.used for f in acceleration.functions) == first_start[1]
+
+
+def test_calls_the_precompiled_graphs_do_not_fit_compile_as_usual(first_start, cache_dir) -> None:
+    """A new input shape fails the loaded guards; a forward without grad is not the training
+    graph's grad mode: both compile, and both run as eager does."""
+    model, params, acceleration, _ = _start(cache_dir)
+    _assert_as_eager(model, params, inputs_for(model, res=24))
+    assert acceleration.stats()["unique_graphs"] == 1
+    inputs = inputs_for(model)
+    torch.manual_seed(0)
+    eager, _ = build("kohya", None, **ONE_BLOCK_CLASS)
+    with torch.no_grad():
+        assert relative_error(model(*inputs), eager(*inputs)) < 1e-4
+    assert acceleration.stats()["unique_graphs"] == 2
+
+
+@pytest.mark.parametrize("damage", ["garbage", "cut short"])
+def test_a_damaged_file_warns_and_everything_compiles_as_usual(cache_dir, damage: str) -> None:
+    (path,) = (cache_dir / "compiled").glob("*.precompiled")
+    data = path.read_bytes()
+    path.write_bytes(b"\x80\x04 not precompiled" if damage == "garbage" else data[: len(data) // 2])
+    with pytest.warns(RuntimeWarning, match="precompile: could not load"):
+        model, params, acceleration, cache = _start(cache_dir)
+    assert cache.precompiled_loaded == 0
+    _assert_as_eager(model, params, inputs_for(model))
+    assert acceleration.stats()["unique_graphs"] > 0
+
+
+def test_a_loaded_graph_runs_with_keywords_flagged_as_a_compiled_call() -> None:
+    """sd-scripts' Flux calls its blocks with keywords; the offload conductor asks whether a
+    compiled call is running."""
+    from compile_accel.backend import compiled_call_running, flagged
+
+    seen = []
+
+    def graph(x: int, *, scale: int) -> int:
+        seen.append(compiled_call_running())
+        return x * scale
+
+    assert flagged(graph)(2, scale=3) == 6 and seen == [True] and not compiled_call_running()
