@@ -301,6 +301,8 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
     compile_workers.first_step_done()  # the pool stops once its graphs are back
     for _ in range(settings.warmup):
         step()
+    if run_cache is not None and _rank() == 0:  # again, with the workers' graphs loaded here since
+        run_cache.save()
     synchronize(gpus)
     for gpu in gpus:
         torch.cuda.reset_peak_memory_stats(gpu)
@@ -493,6 +495,7 @@ def run_ab(
                 result["warm_first_step_s"] = again["first_step_s"]
                 result["warm_fxgraph_cache_hits"] = again["stats"]["fxgraph_cache_hits"]
                 result["warm_compile_times"] = again["stats"]["compile_times"]
+                result["warm_precompiled"] = again["stats"].get("precompiled")
         results.append(result)
         seconds = time.perf_counter() - start
         progress(f"[{i}/{len(modes)}] {mode}: {_progress_note(result, warm)}; {seconds:.0f} s in all")
