@@ -103,6 +103,8 @@ class RunCompileCache:
         supported = precompile.SUPPORTED and compile_workers.SUPPORTED
         use = supported and acceleration is not None and acceleration.config.compile_workers > 0
         self.functions = acceleration.functions if use else []
+        for function in self.functions:
+            function.precompiled.noting = True
         self.path: Path | None = None  # known at the first forward
         self.loaded = False
         self.precompiled_loaded = 0  # graphs read at the first forward
@@ -155,10 +157,16 @@ class RunCompileCache:
         """Once per run, at the first save with the worker pool up (started at apply, stopped
         once the first step is done and no graph is out: a new pool would take GPU memory
         from the training) and the budget chosen (auto has calibrated)."""
-        if not self.functions or self._precompile_asked or not compile_workers.running():
+        if not self.functions or self._precompile_asked:
             return False
         auto = self.acceleration.auto_budget
-        return auto is None or auto.result is not None
+        if auto is not None and auto.result is None:
+            return False
+        if not compile_workers.running():
+            self._precompile_asked = True
+            logger.info("precompile: the compile workers had stopped; nothing precompiled in this run")
+            return False
+        return True
 
     def remove(self) -> None:
         """Load nothing (if the first forward has not come yet)."""

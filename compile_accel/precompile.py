@@ -21,14 +21,26 @@ Each CompiledFunction (compile_accel.regions) has a `Precompiled`:
   call then compiles as usual).
 
 `save_precompiled` traces after the first step and returns a PrecompileSave, whose thread writes
-one file for all of a run's functions once the workers are done; `load_precompiled` reads it.
-compile_accel.compile_cache keeps that file beside the run's cache artifacts, under the same
-key. A call that cannot be precompiled (a graph break, an input whose guard torch cannot save) is
-left out with a log line, and compiles as usual at the next start.
+one file for all of a run's functions once the workers are done (with the loaded graphs that
+ran); `load_precompiled` reads it. compile_accel.compile_cache keeps that file beside the run's
+cache artifacts, under the same key. A call that cannot be precompiled (a graph break, symbolic
+shapes, an input whose guard torch cannot save) is left out with a log line, and compiles as
+usual at the next start.
+
+What a saved graph's guards do not check, and how it is covered: torch leaves out guards on
+module globals and on object identities (functions, closures, hooks added to a module); the
+graph is only loaded when every source it was traced from is as it was (hashed per inlined
+function, as torch's own precompile cache does) and the file was made by the same torch and
+compile_accel code. A hook added to a block after the first start, or a global it reads
+changed, is not seen: such a start needs the file removed (or `--no_compile_cache`).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib
+import inspect
 import logging
 import pickle
 import threading
@@ -58,6 +70,17 @@ SUPPORTED = AOTCompiledFunction is not None and hasattr(torch._dynamo.config, "e
 _FORMAT = 1  # of the file; another is read as no file
 
 
+@functools.cache
+def _made_by() -> tuple[str, str]:
+    """torch's version and a hash of compile_accel's own code (its graph rewrites and settings
+    are in every graph, and no guard checks them): a file another made is not loaded."""
+    package = Path(__file__).parent
+    digest = hashlib.sha256()
+    for source in sorted(package.rglob("*.py")):
+        digest.update(source.read_bytes())
+    return torch.__version__, digest.hexdigest()
+
+
 @dataclass(frozen=True)
 class _TensorLayout:
     shape: tuple[int, ...]
@@ -83,8 +106,8 @@ def _stand_in(value: Any) -> Any:
 
 def call_context() -> tuple:
     """Grad mode and autocast (its dtype per device type, None where off): what a graph was
-    compiled under, which the loaded one is only called under again (torch leaves these
-    global guards out of a saved function)."""
+    compiled under; a loaded graph is only tried under the same (a quick test before its guards,
+    which check them too)."""
     return (
         torch.is_grad_enabled(),
         *(torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None for d in ("cuda", "cpu")),
@@ -119,9 +142,7 @@ class _Call:
 
 @dataclass
 class _Loaded:
-    kind: str
-    context: tuple
-    budget: float | None
+    entry: tuple  # (kind, context, budget, bytes) as read: written again if it ran
     function: Any  # AOTCompiledFunction
     run: Callable  # its compiled call, flagged as one (compile_accel.backend.compiled_call_running)
     used: bool = False
@@ -129,14 +150,16 @@ class _Loaded:
 
 class Precompiled:
     """The precompiled graphs of one shared function (module docstring); `owner` is the
-    instance a call passes first (a method shared by a class), None for a plain function."""
+    instance a call passes first (a method shared by a class), None for a plain function.
+    Calls are noted only while `noting` (a run cache that precompiles sets it): a note keeps
+    the call's non-tensor arguments."""
 
     def __init__(self, fn: Callable) -> None:
         self.fn = fn
         self.name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}"
+        self.noting = False
         self._noted: list[_Call] = []
         self.loaded: list[_Loaded] = []
-        self.loaded_entries: list[tuple] = []  # as read, written again beside new ones
 
     @property
     def used(self) -> int:
@@ -144,16 +167,12 @@ class Precompiled:
         return sum(loaded.used for loaded in self.loaded)
 
     def note(self, owner: Any, args: tuple, kwargs: dict, budget: float | None) -> None:
-        noted = _Call(
-            None if owner is None else weakref.ref(owner),
-            _kind(owner),
-            pytree.tree_map(_layout, args),
-            pytree.tree_map(_layout, kwargs),
-            call_context(),
-            budget,
-        )
-        if not any(_same_call(noted, other) for other in self._noted):
-            self._noted.append(noted)
+        """A call that compiled a graph (each is another graph: dynamo compiled it because no
+        graph's guards passed, which may be the owner's weights' shapes)."""
+        if self.noting:
+            owner_ref = None if owner is None else weakref.ref(owner)
+            layouts = pytree.tree_map(_layout, args), pytree.tree_map(_layout, kwargs)
+            self._noted.append(_Call(owner_ref, _kind(owner), *layouts, call_context(), budget))
 
     def capture(self, compile_for: Callable[[float | None], Callable], budget: float | None) -> list[tuple]:
         """Each call noted at `budget` traced by `aot_compile` on stand-ins of its layout, its
@@ -176,11 +195,23 @@ class Precompiled:
             captured.append((call.kind, call.context, budget, compiled))
         return captured
 
-    def load(self, entries: Sequence[tuple]) -> None:
-        self.loaded_entries = list(entries)
-        for kind, context, budget, data in entries:
-            function = AOTCompiledFunction.deserialize(data, getattr(self.fn, "__globals__", None))
-            self.loaded.append(_Loaded(kind, context, budget, function, flagged(function.fn)))
+    def load(self, entries: Sequence[tuple]) -> int:
+        """Load the entries whose traced sources are as they are now; returns how many. An
+        entry torch cannot load (another Python or Triton) or whose sources changed since (a
+        newer sd-scripts or LoRA network: it would run the old code) is left out with a log line."""
+        for entry in entries:
+            kind, _, _, data = entry
+            try:
+                function = AOTCompiledFunction.deserialize(data, getattr(self.fn, "__globals__", None))
+                changed = _changed_source(function)
+            except Exception as error:  # torch's compatibility checks, an entry it cannot read
+                _left_out(self.name, kind, error, "not loaded")
+                continue
+            if changed:
+                logger.info("precompile: %s (%s) not loaded: %s changed since it was saved", self.name, kind, changed)
+                continue
+            self.loaded.append(_Loaded(entry, function, flagged(function.fn)))
+        return len(self.loaded)
 
     def find(self, owner: Any, args: tuple, kwargs: dict, budget: float | None) -> Callable | None:
         """The loaded graph for this call at `budget` (module docstring), or None. It is called
@@ -190,23 +221,40 @@ class Precompiled:
         kind, context = _kind(owner), call_context()
         call = args if owner is None else (owner, *args)
         for loaded in self.loaded:
-            if (
-                loaded.budget == budget
-                and loaded.kind == kind
-                and loaded.context == context
-                and loaded.function.guard_check(*call, **kwargs)
-            ):
+            if loaded.entry[:3] == (kind, context, budget) and _guards_pass(loaded.function, call, kwargs):
                 loaded.used = True
                 return loaded.run
         return None
 
 
-def _left_out(name: str, kind: str, error: Exception) -> None:
-    logger.info("precompile: %s (%s) left out: %s: %s", name, kind, type(error).__name__, str(error)[:200])
+def _guards_pass(function: Any, call: tuple, kwargs: dict) -> bool:
+    try:
+        return bool(function.guard_check(*call, **kwargs))
+    except Exception:  # arguments its saved signature does not take: not this graph
+        return False
 
 
-def _same_call(a: _Call, b: _Call) -> bool:
-    return (a.kind, a.args, a.kwargs, a.context, a.budget) == (b.kind, b.args, b.kwargs, b.context, b.budget)
+def _changed_source(function: Any) -> str | None:
+    """The first source the function's graph was traced from that differs now, or None. (As
+    torch's own precompile cache checks: the lines of each inlined function, hashed.)"""
+    for source in function.source_info().inlined_sources:
+        try:
+            lines = module_lines(source.module)
+        except (ImportError, OSError, TypeError):
+            return f"{source.module} (not found)"
+        now = "".join(lines[source.firstlineno - 1 : source.lastlineno - 1])
+        if hashlib.sha256(now.encode()).hexdigest() != source.checksum:
+            return f"{source.module}, lines {source.firstlineno}-{source.lastlineno}"
+    return None
+
+
+def module_lines(name: str) -> list[str]:
+    """The source lines of module `name` as it is now."""
+    return inspect.getsourcelines(importlib.import_module(name))[0]
+
+
+def _left_out(name: str, kind: str, error: Exception, what: str = "left out") -> None:
+    logger.info("precompile: %s (%s) %s: %s: %s", name, kind, what, type(error).__name__, str(error)[:200])
 
 
 class PrecompileSave:
@@ -230,7 +278,7 @@ class PrecompileSave:
     def _write(self, captured: dict[Precompiled, list[tuple]], path: Path) -> None:
         saved = {}
         for precompiled, graphs in captured.items():
-            entries = list(precompiled.loaded_entries)
+            entries = [loaded.entry for loaded in precompiled.loaded if loaded.used]
             for kind, context, budget, compiled in graphs:
                 try:
                     entries.append((kind, context, budget, type(compiled).serialize(compiled).serialized_data))
@@ -240,7 +288,7 @@ class PrecompileSave:
                 saved[precompiled.name] = entries
         count = sum(map(len, saved.values()))
         try:
-            write_atomically(path, pickle.dumps({"format": _FORMAT, "torch": torch.__version__, "functions": saved}))
+            write_atomically(path, pickle.dumps({"format": _FORMAT, "made_by": _made_by(), "functions": saved}))
         except OSError as error:
             warn(f"precompile: could not write {path}: {error}")
             self.written = 0
@@ -275,17 +323,14 @@ def load_precompiled(functions: Sequence[Precompiled], path: Path) -> int:
     start = time.perf_counter()
     try:
         saved = pickle.loads(path.read_bytes())
-        if saved.get("format") != _FORMAT or saved.get("torch") != torch.__version__:
-            return 0
-        count = 0
-        for precompiled in functions:
-            entries = saved["functions"].get(precompiled.name, [])
-            precompiled.load(entries)
-            count += len(entries)
-    except Exception as error:  # a damaged file: whatever unpickling or torch's loader raises
-        for precompiled in functions:
-            precompiled.loaded.clear()
+        header = (saved["format"], saved["made_by"])
+        entries = {precompiled: list(saved["functions"].get(precompiled.name, [])) for precompiled in functions}
+    except Exception as error:  # a damaged file: whatever unpickling raises
         warn(f"precompile: could not load {path} ({type(error).__name__}: {str(error)[:120]}); compiling as usual")
         return 0
+    if header != (_FORMAT, _made_by()):
+        logger.info("precompile: %s was made by another torch or compile_accel; compiling as usual", path)
+        return 0
+    count = sum(precompiled.load(entries[precompiled]) for precompiled in functions)
     logger.info("precompile: loaded %d graphs from %s in %.1f s", count, path, time.perf_counter() - start)
     return count

@@ -127,6 +127,7 @@ class CompiledFunction:
         if loaded is not None:  # compiled at an earlier start (compile_accel.precompile)
             out = loaded(*args, **kwargs) if region.owner is None else loaded(region.owner, *args, **kwargs)
             _check_aliased_views(region, aliased_views)
+            self.compiled_contexts.add((type(module), torch.is_grad_enabled()))
             return out
         stats = self.stats
         graphs, breaks, start = stats.graphs, graph_break_total(), time.perf_counter()

@@ -287,6 +287,9 @@ _DYNAMIC = {"auto": None, "true": True, "false": False}
 # workers sd-scripts' models reached their first step in 5-15 s (benchmarks/results/
 # h200_workers_every_family/), compiling in process took 20-294 s.
 WORKERS_HINT_SECONDS = 20.0
+# At the end of training, how long to wait for graphs still being precompiled in the workers
+# (compile_accel.precompile; on an H200 they were written 9-11 s after the first step).
+PRECOMPILE_WAIT_SECONDS = 60.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -578,6 +581,12 @@ class Launch:
             )
         if self._resave_after is not None:  # training ended before the workers' graphs ran compiled
             self._resave()
+        precompiling = None if self.compile_cache is None else self.compile_cache.precompiling
+        if precompiling is not None and precompiling.join(PRECOMPILE_WAIT_SECONDS) is None:
+            _say(
+                f"the graphs precompiled for the next start were not back from the compile workers after "
+                f"{PRECOMPILE_WAIT_SECONDS} s more; the next start compiles as usual"
+            )
         stats = self.acceleration.stats()
         keys = ("compiled_regions", "unique_graphs", "recompiles", "graph_breaks", "compile_seconds", "fallbacks")
         _say(", ".join(f"{k}={stats[k]:.1f}" if k == "compile_seconds" else f"{k}={stats[k]}" for k in keys))

@@ -4,6 +4,7 @@ whatever they do not fit or a damaged file."""
 
 from __future__ import annotations
 
+import pickle
 import shutil
 from pathlib import Path
 
@@ -103,6 +104,33 @@ def test_a_damaged_file_warns_and_everything_compiles_as_usual(cache_dir, damage
     assert cache.precompiled_loaded == 0
     _assert_as_eager(model, params, inputs_for(model))
     assert acceleration.stats()["unique_graphs"] > 0
+
+
+def test_a_graph_traced_from_source_changed_since_is_not_loaded(cache_dir, monkeypatch, caplog) -> None:
+    """A newer sd-scripts or LoRA network: the saved graph would run the old code."""
+    module_lines = precompile.module_lines
+    monkeypatch.setattr(precompile, "module_lines", lambda name: [f"{line} " for line in module_lines(name)])
+    with caplog.at_level("INFO", logger="compile_accel"):
+        model, params, acceleration, cache = _start(cache_dir)
+    assert cache.precompiled_loaded == 0 and "changed since it was saved" in caplog.text
+    _assert_as_eager(model, params, inputs_for(model))
+    assert acceleration.stats()["unique_graphs"] > 0
+
+
+def test_an_entry_torch_cannot_load_is_left_out_and_written_anew(first_start, cache_dir) -> None:
+    """The file reads, one graph in it does not (another Python or Triton): that start compiles
+    as usual and precompiles again; the start after it loads the new graph."""
+    (path,) = (cache_dir / "compiled").glob("*.precompiled")
+    saved = pickle.loads(path.read_bytes())
+    for entries in saved["functions"].values():
+        entries[:] = [(*entry[:3], b"not a graph") for entry in entries]
+    path.write_bytes(pickle.dumps(saved))
+    model, params, acceleration, cache = _start(cache_dir)
+    assert cache.precompiled_loaded == 0
+    _assert_as_eager(model, params, inputs_for(model))
+    cache.save()
+    assert cache.precompiling.join(timeout=600) == first_start[1]
+    assert _start(cache_dir)[3].precompiled_loaded == first_start[1]
 
 
 def test_a_loaded_graph_runs_with_keywords_flagged_as_a_compiled_call() -> None:
