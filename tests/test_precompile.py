@@ -106,6 +106,18 @@ def test_a_damaged_file_warns_and_everything_compiles_as_usual(cache_dir, damage
     assert acceleration.stats()["unique_graphs"] > 0
 
 
+def test_the_launcher_says_how_many_graphs_ran_precompiled(first_start, cache_dir, capsys) -> None:
+    from compile_accel.integrations import sd_scripts
+
+    model, params, acceleration, cache = _start(cache_dir)
+    lora_step(model, params, inputs_for(model))
+    launch = sd_scripts.Launch()
+    launch.acceleration, launch.compile_cache = acceleration, cache
+    launch.first_step_done()
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "first step done" in line]
+    assert f", {first_start[1]} of them precompiled at an earlier start (run without dynamo's trace)" in line
+
+
 def test_a_graph_traced_from_source_changed_since_is_not_loaded(cache_dir, monkeypatch, caplog) -> None:
     """A newer sd-scripts or LoRA network: the saved graph would run the old code."""
     module_lines = precompile.module_lines
