@@ -104,7 +104,7 @@ def _stand_in(value: Any) -> Any:
     return value.stand_in() if isinstance(value, _TensorLayout) else value
 
 
-def call_context() -> tuple:
+def _call_context() -> tuple:
     """Grad mode and autocast (its dtype per device type, None where off): what a graph was
     compiled under; a loaded graph is only tried under the same (a quick test before its guards,
     which check them too)."""
@@ -172,7 +172,7 @@ class Precompiled:
         if self.noting:
             owner_ref = None if owner is None else weakref.ref(owner)
             layouts = pytree.tree_map(_layout, args), pytree.tree_map(_layout, kwargs)
-            self._noted.append(_Call(owner_ref, _kind(owner), *layouts, call_context(), budget))
+            self._noted.append(_Call(owner_ref, _kind(owner), *layouts, _call_context(), budget))
 
     def capture(self, compile_for: Callable[[float | None], Callable], budget: float | None) -> list[tuple]:
         """Each call noted at `budget` traced by `aot_compile` on stand-ins of its layout, its
@@ -218,7 +218,7 @@ class Precompiled:
         as the function is: the instance first, if any."""
         if not self.loaded:
             return None
-        kind, context = _kind(owner), call_context()
+        kind, context = _kind(owner), _call_context()
         call = args if owner is None else (owner, *args)
         for loaded in self.loaded:
             if loaded.entry[:3] == (kind, context, budget) and _guards_pass(loaded.function, call, kwargs):
