@@ -258,7 +258,8 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
     if config.activation_memory_budget == "auto":
         config.vram_limit_gib = settings.vram_limit_gib
     acceleration = bench.accelerate(model, config)
-    # The launcher's run cache: loaded at the first forward, saved once the workers' graphs are back.
+    # The launcher's run cache: loaded at the first forward, saved after the first step (precompiling
+    # while the worker pool is up) and again once the workers' graphs run compiled.
     run_cache = None
     if HAS_CACHE_ARTIFACTS and acceleration.regions:
         run_cache = RunCompileCache(model, acceleration.signature, acceleration)

@@ -15,8 +15,8 @@ saves it after the first step (the sd-scripts launcher and the bench, which use 
 again once the graphs then in the compile workers run compiled: a graph is in the artifacts
 once this process loaded it). Beside it, under the same key, the regions' precompiled graphs
 (compile_accel.precompile), which a warm start runs without dynamo's trace: with compile
-workers, traced at the first save with no graph of the run in the workers, written once the
-workers compiled them.
+workers, traced at the first save while the worker pool is up (and auto has chosen), written
+once the workers compiled them.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ class RunCompileCache:
     def save(self) -> int:
         """Write the file if graphs were compiled since it was loaded (or it was not there);
         returns the bytes written. A failed write warns: the run goes on. The graphs compiled
-        here are precompiled once, at the first call with none in the compile workers."""
+        in this run are precompiled once (`_precompile_due`)."""
         if self.path is None:
             return 0
         if self._precompile_due():

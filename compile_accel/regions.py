@@ -28,8 +28,7 @@ import torch.nn as nn
 from .backend import RegionBackend
 from .checkpointing import under_saved_tensor_checkpoint
 from .saved_bytes import SavedBytesEstimate
-from .config import CompileConfig
-from .config import CUDA_GRAPH_MODES
+from .config import CUDA_GRAPH_MODES, CompileConfig
 from .dynamo_settings import COMPILE_TAKES_RECOMPILE_LIMIT, ensure_thread_settings
 from .precompile import Precompiled
 from .selective import RegionSpec
