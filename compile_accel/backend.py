@@ -46,7 +46,17 @@ from .stats import Stats
 # 3.6 s of a 26.9 s compile and the runtime autotuning of pointwise kernels 1.8 s, and the steps
 # compiled without them were not slower. Blocks call attention through SDPA and their matmuls
 # through extern kernels, which those passes would otherwise look for.
-FAST_COMPILE_SETTINGS: dict[str, Any] = {"pattern_matcher": False, "triton.autotune_pointwise": False}
+# dynamic_scale_rblock: for a reduction kernel that uses many registers, inductor compiles a
+# second config (half the reduction block) when the kernel is loaded, and benchmarks the two
+# at its first launch, in every process: torch <= 2.12 never takes the choice from its autotune
+# cache (pytorch/pytorch#181789, #189121). That was 1.0-1.7 s of every warm start of Lumina 2
+# and Flux fp8 on an H200 (0.6-0.9 s of a first step), with steps as fast without it
+# (benchmarks/results/h200_warm_start/).
+FAST_COMPILE_SETTINGS: dict[str, Any] = {
+    "pattern_matcher": False,
+    "triton.autotune_pointwise": False,
+    "dynamic_scale_rblock": False,
+}
 
 
 class RegionNotCompilable(RuntimeError):

@@ -50,9 +50,10 @@ class CompileConfig:
         hitting it is warned about and counted.
     exclude: glob patterns of submodule names (as in `model.named_modules()`) that are never
         compiled; inside a compiled region they run eager behind a graph break.
-    fast_compile: compile the regions without inductor's pattern-matcher passes and without
-        autotuning pointwise kernels (compile_accel.backend.FAST_COMPILE_SETTINGS): seconds less
-        per block class, steps measured as fast. False compiles with inductor's defaults.
+    fast_compile: compile the regions without inductor's pattern-matcher passes, without
+        autotuning pointwise kernels and without its second config for register-heavy
+        reductions (compile_accel.backend.FAST_COMPILE_SETTINGS): seconds less per block class
+        and per warm start, steps measured as fast. False compiles with inductor's defaults.
     compile_workers: 0 compiles each graph in this process, the step waiting for it. N > 0 hands
         each graph's compile (AOTAutograd and inductor) to N worker processes (inductor only; not
         on Windows): the step runs each graph uncompiled until it is back, and the graphs of every
