@@ -53,6 +53,7 @@ from compile_accel.distributed import apply_ddp
 from compile_accel.memory import SavedActivationMeter
 from compile_accel.memory import gib_argument as _gib
 from compile_accel.placement import split_blocks
+from compile_accel.preload import start_preloading
 
 from .measure import (
     cap_gpu_memory,
@@ -523,6 +524,7 @@ def main(argv: list[str] | None = None) -> None:
     add_settings_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # auto budget's table, to stderr
+    start_preloading()  # beside the model's build, as the sd-scripts launcher does beside the trainer's set-up
     settings = BenchSettings.from_args(args, args.device)
     spec = parse_mode(args.mode)
     world = int(os.environ.get("WORLD_SIZE", "1"))

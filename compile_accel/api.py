@@ -21,6 +21,7 @@ from .backend import start_compile_workers
 from .compile_profile import CompileClock, CompileTimes
 from .config import CUDA_GRAPH_MODES, CompileConfig
 from .offload import offload_fraction_ladder
+from .preload import wait_for_preload
 from .regions import CompiledFunction, Region, restore_forward
 from .selective import is_excluded, region_specs
 from .stats import Stats, warn
@@ -214,6 +215,7 @@ def apply_adapter(
     Everything is checked, once, before the rewrite runs. `restore()` runs the rewrite's undo,
     or it runs at once if applying raises. Mode "off" leaves the model as it is, rewrite
     included (the eager baseline of a benchmark)."""
+    wait_for_preload()  # before anything here imports inductor (compile_accel.preload)
     config = _checked_config(config)
     _check_model(model)
     if config.mode != "off":

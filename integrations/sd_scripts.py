@@ -48,6 +48,7 @@ from compile_accel.config import CUDA_GRAPH_MODES, cuda_graph_refusal
 from compile_accel.dynamo_settings import HAS_BUDGET_KNOB, HAS_CACHE_ARTIFACTS, cpp_compiler
 from compile_accel.memory import gib_argument
 from compile_accel.patching import ModuleFunctionPatch
+from compile_accel.preload import start_preloading
 from compile_accel.rotary import real_table, rotate_interleaved
 
 SELECTIVE_ENV = "SDSCRIPTS_SELECTIVE_TORCH_COMPILE"
@@ -610,6 +611,9 @@ def _install_hooks(launch: Launch) -> None:
         add_training_arguments(parser, *args, **kwargs)
         add_arguments(parser)
         launch.watch(parser)
+        # The script's imports are done; its set-up (weights, latents, text encoders) runs
+        # beside the preload until apply() at Accelerator.prepare.
+        start_preloading()
 
     def prepare_accelerated(accelerator: Accelerator, *args: Any, **kwargs: Any) -> Any:
         model = next((a for a in args if is_sd_scripts_model(a)), None)

@@ -126,6 +126,24 @@ def test_launcher_forms_run_the_script_with_the_blocks_compiled(checkout: Path, 
     assert "2 checkpoint switches (the gradient_checkpointing flags of the model and its blocks) turned off: " in proc.stderr
 
 
+PRELOAD_SCRIPT = """
+import argparse, json, sys
+from compile_accel import preload
+from library import train_util
+
+before = "torch._inductor.compile_fx" in sys.modules
+train_util.add_training_arguments(argparse.ArgumentParser(), True)
+started = preload._thread is not None
+preload.wait_for_preload()
+print(json.dumps({"before": before, "started": started, "after": "torch._inductor.compile_fx" in sys.modules}))
+"""
+
+
+def test_launcher_preloads_inductor_once_the_script_sets_up_its_parser(checkout: Path) -> None:
+    (checkout / "setup.py").write_text(PRELOAD_SCRIPT)
+    assert _result(_launch(str(checkout / "setup.py"))) == {"before": False, "started": True, "after": True}
+
+
 def test_script_name_resolves_against_sd_scripts_dir(checkout: Path) -> None:
     assert _result(_launch("--sd-scripts", str(checkout), "train.py")) == {
         "compiled": False,
