@@ -49,8 +49,9 @@ from .stats import Stats
 # dynamic_scale_rblock: for a reduction kernel that uses many registers, inductor compiles a
 # second config (half the reduction block) when the kernel is loaded, and benchmarks the two
 # at its first launch, in every process: torch <= 2.12 never takes the choice from its autotune
-# cache (pytorch/pytorch#181789, #189121). That was 1.0-1.7 s of every warm start of Lumina 2
-# and Flux fp8 on an H200 (0.6-0.9 s of a first step), with steps as fast without it
+# cache (pytorch/pytorch#181789, #189121). On an H200 it cost Lumina 2 and Flux fp8 0.6-0.9 s of
+# every warm first step, and their steps were as fast without it; SDXL's Triton kernels took
+# 64.0 ms per step without it against 61.7 ms in an earlier run with it
 # (benchmarks/results/h200_warm_start/).
 FAST_COMPILE_SETTINGS: dict[str, Any] = {
     "pattern_matcher": False,
