@@ -524,7 +524,6 @@ def main(argv: list[str] | None = None) -> None:
     add_settings_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # auto budget's table, to stderr
-    start_preloading()  # beside the model's build, as the sd-scripts launcher does beside the trainer's set-up
     settings = BenchSettings.from_args(args, args.device)
     spec = parse_mode(args.mode)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -535,6 +534,8 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         # Windows builds of torch have no NCCL.
         dist.init_process_group("nccl" if args.device == "cuda" and dist.is_nccl_available() else "gloo")
+    if spec.config.mode != "off" or spec.whole_model:
+        start_preloading()  # beside the model's build, as the sd-scripts launcher does beside the trainer's set-up
     try:
         result = asdict(run_mode(spec, settings))
     except Exception as error:  # an OOM anywhere (building, compiling, a step) is a row; anything else fails the A/B

@@ -49,9 +49,10 @@ from .stats import Stats
 # dynamic_scale_rblock: for a reduction kernel that uses many registers, inductor compiles a
 # second config (half the reduction block) when the kernel is loaded, and benchmarks the two
 # at its first launch, in every process: torch <= 2.12 never takes the choice from its autotune
-# cache (pytorch/pytorch#181789, #189121). On an H200 it cost Lumina 2 and Flux fp8 0.6-0.9 s of
-# every warm first step, and their steps were as fast without it; SDXL's Triton kernels took
-# 64.0 ms per step without it against 61.7 ms in an earlier run with it
+# cache (pytorch/pytorch#181789, #189121; torch 2.13 skips it on an autotune-cache hit). On an
+# H200 with torch 2.11 it cost Lumina 2 and Flux fp8 0.6-1.1 s of every warm first step and half
+# their cold compile time, and their steps were as fast without it; SDXL's Triton kernels took
+# 64.0 ms per step without it against 61.7 ms in an earlier run with it, not compared in one call
 # (benchmarks/results/h200_warm_start/).
 FAST_COMPILE_SETTINGS: dict[str, Any] = {
     "pattern_matcher": False,
@@ -117,10 +118,8 @@ def start_compile_workers() -> None:
     """Start inductor's kernel-compile worker processes now. torch starts them at the first graph
     it compiles, and while they start (seconds) it compiles that graph's kernels one by one in
     this process; started at apply(), they are up by the first step. Without triton (no worker
-    pool; CPU builds), or in a torch without `maybe_warm_pool`, nothing starts.
-
-    (Importing inductor's compiler in a background thread as well was measured and dropped: it
-    took 1.7 s of a warm first step, but run beside the step it slowed dynamo's tracing more.)"""
+    pool; CPU builds), or in a torch without `maybe_warm_pool`, nothing starts. (Inductor's own
+    imports start earlier, beside the program's set-up: compile_accel.preload.)"""
     from torch._inductor import async_compile
 
     warm_pool = getattr(async_compile, "maybe_warm_pool", None)

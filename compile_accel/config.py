@@ -53,7 +53,8 @@ class CompileConfig:
     fast_compile: compile the regions without inductor's pattern-matcher passes, without
         autotuning pointwise kernels and without its second config for register-heavy
         reductions (compile_accel.backend.FAST_COMPILE_SETTINGS): seconds less per block class
-        and per warm start, steps measured as fast. False compiles with inductor's defaults.
+        and per warm start, Lumina 2's and Flux's steps measured as fast (SDXL: see
+        docs/behaviour.md). False compiles with inductor's defaults.
     compile_workers: 0 compiles each graph in this process, the step waiting for it. N > 0 hands
         each graph's compile (AOTAutograd and inductor) to N worker processes (inductor only; not
         on Windows): the step runs each graph uncompiled until it is back, and the graphs of every

@@ -48,7 +48,7 @@ from compile_accel.config import CUDA_GRAPH_MODES, cuda_graph_refusal
 from compile_accel.dynamo_settings import HAS_BUDGET_KNOB, HAS_CACHE_ARTIFACTS, cpp_compiler
 from compile_accel.memory import gib_argument
 from compile_accel.patching import ModuleFunctionPatch
-from compile_accel.preload import start_preloading
+from compile_accel.preload import start_preloading, wait_for_preload
 from compile_accel.rotary import real_table, rotate_interleaved
 
 SELECTIVE_ENV = "SDSCRIPTS_SELECTIVE_TORCH_COMPILE"
@@ -460,6 +460,10 @@ class Launch:
             except LaunchError as error:
                 parser.error(str(error))
             self.args = namespace
+            if self.config is not None:
+                # The script's own set-up (weights, latents, text encoders) runs beside the
+                # preload until accelerate(), at Accelerator.prepare.
+                start_preloading()
             return namespace, rest
 
         parser.parse_known_args = checked
@@ -468,6 +472,7 @@ class Launch:
         """Accelerate the run's model, once, if the flags asked for it."""
         if self.config is None or self.acceleration is not None:
             return
+        wait_for_preload()  # _missing_compiler imports triton and inductor's C++ builder
         if self.config.compile_mode in CUDA_GRAPH_MODES and device.type != "cuda":
             raise LaunchError(f"--compile_cuda_graphs records CUDA graphs, and this run's device is {device}")
         missing = _missing_compiler(device)
@@ -611,9 +616,6 @@ def _install_hooks(launch: Launch) -> None:
         add_training_arguments(parser, *args, **kwargs)
         add_arguments(parser)
         launch.watch(parser)
-        # The script's imports are done; its set-up (weights, latents, text encoders) runs
-        # beside the preload until apply() at Accelerator.prepare.
-        start_preloading()
 
     def prepare_accelerated(accelerator: Accelerator, *args: Any, **kwargs: Any) -> Any:
         model = next((a for a in args if is_sd_scripts_model(a)), None)
