@@ -346,6 +346,19 @@ def _watch_module_trees() -> None:
     module_hooks.register_module_buffer_registration_hook(_count_module_tree_change)
 
 
+class CopiedRegion:
+    """What a Region becomes when pickled or deep-copied: calling it says so."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"compile_accel: {self.name} belongs to a copy of an accelerated model, whose compiled regions stay "
+            "with the original; call remove() on the Acceleration before copying, then apply() to each model"
+        )
+
+
 class Region:
     """One module whose forward (or checkpointed body method) is dispatched to a shared
     CompiledFunction."""
@@ -366,6 +379,12 @@ class Region:
         self.__wrapped__ = self.eager  # inspect.signature(module.forward) still shows the real one
         shared.regions.append(self.name)
         shared.region_kinds[self.name] = type(self.module)
+
+    def __reduce__(self) -> tuple[type, tuple[str]]:
+        # A region is this process's compile state (shared compiled functions, their backends,
+        # stats). Dynamo's saved guards of a precompiled graph pickle the module it traced, this
+        # attribute included; there, and in any copy of the model, it becomes a stand-in.
+        return CopiedRegion, (self.name,)
 
     def install(self) -> None:
         setattr(self.module, self.method, self)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
 from collections.abc import Callable
 
 import pytest
@@ -185,3 +187,17 @@ def test_in_place_change_of_a_view_input_is_an_error() -> None:
     compile_accel.apply(model, CompileConfig(mode="blocks", backend="aot_eager"))
     with pytest.raises(RuntimeError, match="changed a view or non-contiguous input in place"):
         model(torch.randn(2, 6, requires_grad=True) * 1)
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+def test_a_copied_region_says_the_compiled_regions_stay_with_the_original(how: str) -> None:
+    """A region is this process's compile state: pickled (dynamo's saved guards pickle the blocks
+    they traced) or deep-copied, it becomes a stand-in that raises when called."""
+    model, _ = build()
+    acceleration = compile_accel.apply(model, CompileConfig(mode="blocks"))
+    region = acceleration.regions[0]
+    installed = getattr(region.module, region.method)
+    copied = pickle.loads(pickle.dumps(installed)) if how == "pickle" else copy.deepcopy(installed)
+    with pytest.raises(RuntimeError, match=rf"{region.name} belongs to a copy of an accelerated model.*remove\(\)"):
+        copied(torch.randn(2, 4))
+    acceleration.remove()
