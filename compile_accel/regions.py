@@ -20,7 +20,7 @@ import functools
 import inspect
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch
 import torch.nn as nn
@@ -352,7 +352,7 @@ class CopiedRegion:
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise RuntimeError(
             f"compile_accel: {self.name} belongs to a copy of an accelerated model, whose compiled regions stay "
             "with the original; call remove() on the Acceleration before copying, then apply() to each model"

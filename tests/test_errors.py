@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import re
 from collections.abc import Callable
 
 import pytest
@@ -198,6 +199,6 @@ def test_a_copied_region_says_the_compiled_regions_stay_with_the_original(how: s
     region = acceleration.regions[0]
     installed = getattr(region.module, region.method)
     copied = pickle.loads(pickle.dumps(installed)) if how == "pickle" else copy.deepcopy(installed)
-    with pytest.raises(RuntimeError, match=rf"{region.name} belongs to a copy of an accelerated model.*remove\(\)"):
+    with pytest.raises(RuntimeError, match=rf"{re.escape(region.name)} belongs to a copy of an accelerated model"):
         copied(torch.randn(2, 4))
     acceleration.remove()

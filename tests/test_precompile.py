@@ -159,16 +159,24 @@ def test_a_loaded_graph_runs_with_keywords_flagged_as_a_compiled_call() -> None:
     assert flagged(graph)(2, scale=3) == 6 and seen == [True] and not compiled_call_running()
 
 
-def test_graphs_compiled_after_auto_calibrated_here_are_precompiled(tmp_path: Path, monkeypatch) -> None:
+def test_graphs_compiled_after_auto_calibrated_here_are_precompiled_and_run_at_the_next_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """auto's traced estimate (its joint graphs) hangs off the blocks' regions, and dynamo's saved
     guards pickle the blocks it traced: the graphs of the chosen budget are still written (sd-scripts'
-    SDXL under auto on an H200: every one was left out with a PicklingError)."""
+    SDXL under auto on an H200: every one was left out with a PicklingError), and the next start,
+    its choice cached, runs them."""
     monkeypatch.setenv("COMPILE_ACCEL_CACHE_DIR", str(tmp_path))
-    torch.manual_seed(0)
-    model, params = build("kohya", None, **ONE_BLOCK_CLASS)
     auto = CompileConfig(mode="blocks", activation_memory_budget="auto", vram_limit_gib=1.0, compile_workers=2)
-    acceleration = compile_accel.apply(model, auto)
-    cache = RunCompileCache(model, acceleration.signature, acceleration)
+
+    def start() -> tuple[torch.nn.Module, list, compile_accel.Acceleration, RunCompileCache]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model, params = build("kohya", None, **ONE_BLOCK_CLASS)
+        acceleration = compile_accel.apply(model, auto)
+        return model, params, acceleration, RunCompileCache(model, acceleration.signature, acceleration)
+
+    model, params, acceleration, cache = start()
     inputs = inputs_for(model)
     for _ in range(10):  # the prediction, then the candidate measured once back from the workers
         lora_step(model, params, inputs)
@@ -177,9 +185,11 @@ def test_graphs_compiled_after_auto_calibrated_here_are_precompiled(tmp_path: Pa
         compile_workers.wait()
     assert acceleration.auto_budget.result is not None
     cache.save()
-    graphs = acceleration.stats()["unique_graphs"]
-    assert cache.precompiling is not None and cache.precompiling.join(timeout=600) > 0
-    (path,) = tmp_path.glob("compiled/*.precompiled")
-    written = sum(map(len, pickle.loads(path.read_bytes())["functions"].values()))
-    assert written == cache.precompiling.written and 0 < written <= graphs
+    assert cache.precompiling is not None
+    written = cache.precompiling.join(timeout=600)
+    assert 0 < written <= acceleration.stats()["unique_graphs"]
 
+    model, params, acceleration, cache = start()
+    lora_step(model, params, inputs_for(model))
+    assert acceleration.auto_budget.result["cached"] and cache.precompiled_loaded == written
+    assert sum(f.precompiled.used for f in acceleration.functions) == written
