@@ -588,10 +588,8 @@ class AutoBudget:
             predict_largest_fitting(
                 self.candidates, lambda budget: peak + estimate.added_bytes(budget), limit, predicted
             )
-        except torch.OutOfMemoryError:  # in the step: no prediction; in a partition's forward: those so far
+        except torch.OutOfMemoryError:  # in the step: no prediction
             self._out_of_memory(device)
-        finally:
-            estimate.release_inputs()
         return predicted
 
     def _out_of_memory(self, device: torch.device) -> None:

@@ -4,6 +4,7 @@ exhaustive one, the cache, and a training step left as it would have been."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -160,13 +161,13 @@ def test_predicted_peaks_are_what_each_budget_saves(monkeypatch) -> None:
     inputs = inputs_for(model)
     acceleration = _auto(model, 1.0, [])
     partitioned: list[float] = []
-    real_partition = saved_bytes.min_cut_rematerialization_partition
+    real_partition = saved_bytes.partition_saved_bytes
 
-    def partition(*args, **kwargs):
-        partitioned.append(torch._functorch.config.activation_memory_budget)
-        return real_partition(*args, **kwargs)
+    def partition(joint, joint_inputs, budget, **kwargs):
+        partitioned.append(budget)
+        return real_partition(joint, joint_inputs, budget, **kwargs)
 
-    monkeypatch.setattr(saved_bytes, "min_cut_rematerialization_partition", partition)
+    monkeypatch.setattr(saved_bytes, "partition_saved_bytes", partition)
     predictions = []
 
     def predict(run, device, parameters, counts, limit):
@@ -217,18 +218,44 @@ def test_bisection_predicts_the_largest_fitting_and_the_next_larger_with_few_par
     assert len(asked) == len(set(asked)) <= 4  # the lowest, then at most three of the five others
 
 
-def test_inputs_kept_for_predicting_stand_in_for_what_moved_since() -> None:
-    """A graph's input kept from the traced step is used as it is while its layout is the
-    one the graph was called with; a block's weight swapped to another device or emptied since
-    is stood in for by zeros of the old layout, never used as it is now."""
-    weight = torch.nn.Parameter(torch.randn(3, 4).t())
-    layout = saved_bytes._layout(weight)
-    assert saved_bytes._as_called(weight, layout) is weight
-    assert saved_bytes._as_called(7, saved_bytes._layout(7)) == 7
-    weight.data = torch.empty(0)  # as an offloader leaves a weight it moved away
-    stand_in = saved_bytes._as_called(weight, layout)
-    assert stand_in is not weight and saved_bytes._layout(stand_in) == layout
-    assert torch.count_nonzero(stand_in) == 0
+def test_a_partition_stopped_at_its_choice_counts_what_the_whole_partition_saves(monkeypatch) -> None:
+    """Bisection's partitions stop once the partitioner chose what to save: for every budget and
+    traced graph, the bytes the full partition's forward graph saves (storages: a saved view
+    counts with its base, once), and no forward or backward graph is built."""
+    model, _ = _model()
+    acceleration = _auto(model, 1.0, [])
+    real_predict = acceleration.auto_budget._predict
+
+    def predict(run, device, parameters, counts, limit):
+        real_predict(run, device, parameters, counts, limit=-1)  # the traced step, no other budget
+        raise KeyboardInterrupt
+
+    acceleration.auto_budget.predict = predict
+    with pytest.warns(RuntimeWarning, match="calibration stopped"), pytest.raises(KeyboardInterrupt):
+        lora_step(model, [], inputs_for(model))
+    graphs = acceleration.auto_budget._estimate.graphs
+    assert graphs
+    partitioners = saved_bytes.partitioners
+    for graph in graphs:
+        full = {}
+        for budget in CANDIDATES:
+            with torch._functorch.config.patch(activation_memory_budget=budget):
+                forward, _ = partitioners.min_cut_rematerialization_partition(
+                    copy.deepcopy(graph.joint), graph.joint_inputs, compiler="inductor", **graph.partition_kwargs
+                )
+            full[budget] = saved_bytes._forward_saved_bytes(forward, graph.partition_kwargs["num_fwd_outputs"])
+        assert full[1.0] > 2 * full[0.0]  # the budgets differ enough for this to test something
+        assert full[CANDIDATES[0]] == graph.saved_bytes[CANDIDATES[0]]  # the traced budget's, as it ran
+        extract = partitioners._extract_fwd_bwd_modules
+        extracted = []
+        with monkeypatch.context() as patch:
+            patch.setattr(partitioners, "_extract_fwd_bwd_modules", lambda *a, **k: extracted.append(1) or extract(*a, **k))
+            stopped = {
+                budget: saved_bytes.partition_saved_bytes(graph.joint, graph.joint_inputs, budget, **graph.partition_kwargs)
+                for budget in CANDIDATES
+            }
+        assert stopped == full and extracted == []
+    acceleration.remove()
 
 
 def test_cudnn_attention_backward_gets_its_gradient_laid_out_as_the_output() -> None:
