@@ -227,6 +227,24 @@ class Precompiled:
         return None
 
 
+def saved_guards(entries: Sequence[Any]) -> list[bool]:
+    """Which of a traced graph's guards its precompiled function keeps (torch.compile's
+    `guard_filter_fn`, given to the torch.compile that aot_compile traces with). As aot_compile's
+    own filter: not those on module globals, nor those torch cannot save; and also not where such
+    a check is derived from another guard, which torch's filter (2.11 to 2.14) lets through to
+    fail the save: diffusers' Attention reads its processor's signature, and the identity check of
+    that `__call__`'s code (a constant match deriving ID_MATCH) left every diffusers Lumina 2
+    block out ("ID_MATCH guard cannot be serialized"). What the dropped guards checked is covered
+    as for globals: a graph is loaded only while the sources it was traced from are unchanged."""
+    from torch._dynamo.guards import CheckFunctionManager
+
+    unsaved = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
+    return [
+        not (entry.is_global or entry.guard_type in unsaved or unsaved.intersection(entry.derived_guard_types))
+        for entry in entries
+    ]
+
+
 def _guards_pass(function: Any, call: tuple, kwargs: dict) -> bool:
     try:
         return bool(function.guard_check(*call, **kwargs))

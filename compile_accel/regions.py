@@ -30,7 +30,7 @@ from .checkpointing import under_saved_tensor_checkpoint
 from .saved_bytes import SavedBytesEstimate
 from .config import CUDA_GRAPH_MODES, CompileConfig
 from .dynamo_settings import COMPILE_TAKES_RECOMPILE_LIMIT, ensure_thread_settings
-from .precompile import Precompiled
+from .precompile import Precompiled, saved_guards
 from .selective import RegionSpec
 from .stats import RECOMPILE_LIMIT_WATCHER, Stats, graph_break_total, warn
 
@@ -189,7 +189,13 @@ class CompiledFunction:
         """torch.compile of the function as `aot_compile` needs it, at `budget`."""
         backend = RegionBackend(self.config, budget, Stats())
         dynamic = self.config.compile_dynamic
-        return torch.compile(self.fn, backend=backend.for_precompile, fullgraph=True, dynamic=dynamic)
+        return torch.compile(
+            self.fn,
+            backend=backend.for_precompile,
+            fullgraph=True,
+            dynamic=dynamic,
+            options={"guard_filter_fn": saved_guards},
+        )
 
     def _on_recompile_limit(self, reason: str) -> None:
         self.stats.recompile_limit_hits += 1

@@ -193,3 +193,35 @@ def test_graphs_compiled_after_auto_calibrated_here_are_precompiled_and_run_at_t
     lora_step(model, params, inputs_for(model))
     assert acceleration.auto_budget.result["cached"] and cache.precompiled_loaded == written
     assert sum(f.precompiled.used for f in acceleration.functions) == written
+
+
+def test_diffusers_blocks_precompile_and_a_new_start_runs_them_as_eager(tmp_path: Path, monkeypatch) -> None:
+    """diffusers' Attention reads its processor's signature; dynamo guards the identity of that
+    `__call__`'s code, which torch cannot save: such guards are left out of the saved graph (every
+    diffusers Lumina 2 block was left out on an H200), and the graph still runs as eager."""
+    from test_diffusers import _lumina2, _step
+
+    monkeypatch.setenv("COMPILE_ACCEL_CACHE_DIR", str(tmp_path))
+
+    def start() -> tuple[torch.nn.Module, list, tuple, compile_accel.Acceleration, RunCompileCache]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model, params, inputs = _lumina2(layers=1)
+        acceleration = compile_accel.apply(model, CONFIG)
+        return model, params, inputs, acceleration, RunCompileCache(model, acceleration.signature, acceleration)
+
+    model, params, inputs, acceleration, cache = start()
+    _step(model, params, inputs)
+    cache.save()
+    graphs = acceleration.stats()["unique_graphs"]
+    assert graphs > 0 and cache.precompiling is not None and cache.precompiling.join(timeout=600) == graphs
+
+    model, params, inputs, acceleration, cache = start()
+    latents, timestep, captions, mask = inputs
+    inputs = (torch.randn_like(latents), torch.rand_like(timestep), torch.randn_like(captions), mask)  # fresh
+    loss, grads = _step(model, params, inputs)
+    assert cache.precompiled_loaded == graphs and acceleration.stats()["unique_graphs"] == 0
+    acceleration.remove()
+    expected_loss, expected_grads = _step(model, params, inputs)
+    assert relative_error(loss, expected_loss) < 1e-4
+    assert max(map(relative_error, grads, expected_grads)) < 1e-4
