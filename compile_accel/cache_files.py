@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +38,27 @@ def run_inputs(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], torch.dev
     return inputs, next((t.device for t in inputs if t.is_floating_point()), torch.device("cpu"))
 
 
+# Entries of a diffusers model's config that say nothing about the model: which arguments took
+# their defaults (a list made from a set, in another order in every process: every diffusers
+# model's warm start missed its cache entries on an H200), and where it was loaded from.
+_CONFIG_BOOKKEEPING = ("_use_default_values", "_name_or_path")
+
+
+def _model_config(model: nn.Module) -> str:
+    """The model's `config` (e.g. a diffusers model's layers, heads, ...) as the same text in every process."""
+    config = getattr(model, "config", None)
+    if isinstance(config, Mapping):
+        config = {key: value for key, value in sorted(config.items()) if key not in _CONFIG_BOOKKEEPING}
+    return repr(config)
+
+
 def run_key(model: nn.Module, compiled: str, inputs: list[torch.Tensor], device: torch.device, *extra: Any) -> str:
     """A short hash of everything that decides what a run compiles (module docstring) and `extra`."""
     parts = [
         type(model).__qualname__,
         sum(p.numel() for p in model.parameters()),
         sum(p.numel() for p in model.parameters() if p.requires_grad),
-        repr(getattr(model, "config", None)),  # e.g. a diffusers model's layers, heads, ...
+        _model_config(model),
         compiled,
         [(tuple(t.shape), str(t.dtype)) for t in inputs],
         torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
