@@ -54,10 +54,14 @@ def _model_config(model: nn.Module) -> str:
 
 def run_key(model: nn.Module, compiled: str, inputs: list[torch.Tensor], device: torch.device, *extra: Any) -> str:
     """A short hash of everything that decides what a run compiles (module docstring) and `extra`."""
+    elements: dict[str, list[int]] = {}  # per dtype: parameter elements, of which trainable (fp8 against bf16 weights)
+    for p in model.parameters():
+        counts = elements.setdefault(str(p.dtype), [0, 0])
+        counts[0] += p.numel()
+        counts[1] += p.numel() if p.requires_grad else 0
     parts = [
         type(model).__qualname__,
-        sum(p.numel() for p in model.parameters()),
-        sum(p.numel() for p in model.parameters() if p.requires_grad),
+        sorted(elements.items()),
         _model_config(model),
         compiled,
         [(tuple(t.shape), str(t.dtype)) for t in inputs],

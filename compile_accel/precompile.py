@@ -28,11 +28,14 @@ shapes, an input whose guard torch cannot save) is left out with a log line, and
 usual at the next start.
 
 What a saved graph's guards do not check, and how it is covered: torch leaves out guards on
-module globals and on object identities (functions, closures, hooks added to a module); the
-graph is only loaded when every source it was traced from is as it was (hashed per inlined
-function, as torch's own precompile cache does) and the file was made by the same torch and
-compile_accel code. A hook added to a block after the first start, or a global it reads
-changed, is not seen: such a start needs the file removed (or `--no_compile_cache`).
+module globals and on object identities (functions, closures, hooks added to a module), and
+`saved_guards` the identity of a method's code read as a constant (an attention processor's
+`__call__`); the graph is only loaded when every source it was traced from is as it was (hashed
+per inlined function, as torch's own precompile cache does) and the file was made by the same
+torch and compile_accel code. A hook added to a block after the first start, a global it reads
+changed, or a method replaced on a class whose code the graph inlined (an attention processor's
+`__call__` patched to another kernel) is not seen: such a start needs the file removed (or
+`--no_compile_cache`).
 """
 
 from __future__ import annotations
@@ -229,18 +232,23 @@ class Precompiled:
 
 def saved_guards(entries: Sequence[Any]) -> list[bool]:
     """Which of a traced graph's guards its precompiled function keeps (torch.compile's
-    `guard_filter_fn`, given to the torch.compile that aot_compile traces with). As aot_compile's
-    own filter: not those on module globals, nor those torch cannot save; and also not where such
-    a check is derived from another guard, which torch's filter (2.11 to 2.14) lets through to
-    fail the save: diffusers' Attention reads its processor's signature, and the identity check of
-    that `__call__`'s code (a constant match deriving ID_MATCH) left every diffusers Lumina 2
-    block out ("ID_MATCH guard cannot be serialized"). What the dropped guards checked is covered
-    as for globals: a graph is loaded only while the sources it was traced from are unchanged."""
+    `guard_filter_fn`, given to the torch.compile that aot_compile traces with; it replaces
+    aot_compile's own filter, whose rule it repeats: none on module globals, none of a kind torch
+    cannot save). Also left out: a constant match that derives an identity check, which torch's
+    filter (2.11 to 2.14) keeps, and whose save then fails. diffusers' Attention reads its
+    processor's signature, and dynamo checks the identity of that `__call__`'s code so: every
+    diffusers Lumina 2 block was left out ("ID_MATCH guard cannot be serialized"). Other guards
+    deriving a check torch cannot save (a tensor matched by identity) still fail the save: such a
+    graph is left out, as before."""
     from torch._dynamo.guards import CheckFunctionManager
 
     unsaved = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
     return [
-        not (entry.is_global or entry.guard_type in unsaved or unsaved.intersection(entry.derived_guard_types))
+        not (
+            entry.is_global
+            or entry.guard_type in unsaved
+            or (entry.guard_type == "CONSTANT_MATCH" and "ID_MATCH" in entry.derived_guard_types)
+        )
         for entry in entries
     ]
 

@@ -14,9 +14,9 @@ fake values dynamo and AOTAutograd traced (storages, so a saved view keeps its w
 does in training), and the forward and backward graphs are never built (their extraction and
 the backward's reordering took 20 of 46 s of partitioning in a CPU profile of sd-scripts' SDXL
 U-Net, torch 2.14).
-Partitioning is most of what the estimate costs (about a second per graph and budget for a
-full-size block), so only the budgets asked for are partitioned: auto bisects for the largest
-predicted to fit.
+Partitioning is most of what the estimate costs (a second or so per graph and budget for a
+full-size block before it stopped early), so only the budgets asked for are partitioned: auto
+bisects for the largest predicted to fit. The traced budget is counted the same way.
 
 The traced graphs hold the attention kernels the compiled step would run (cuDNN's, where
 torch picks it): the partitioner decides differently for them (cuDNN's attention is not among
@@ -84,15 +84,21 @@ def cudnn_attention_gradients_laid_out(gm: torch.fx.GraphModule) -> torch.fx.Gra
     return gm
 
 
-def _hinted(size: int | torch.SymInt) -> int:
+def _size(size: int | torch.SymInt) -> int:
     """A size, or a symbolic size's value in the traced call (its hint)."""
-    return size if isinstance(size, int) else int(size.node.hint)
+    if isinstance(size, int):
+        return size
+    if size.node.hint is None:
+        raise RuntimeError(
+            "activation_memory_budget='auto' cannot predict a graph that saves a tensor of data-dependent size"
+        )
+    return int(size.node.hint)
 
 
-def _storage_bytes(saved: Sequence[torch.fx.Node], kept: Sequence[torch.fx.Node]) -> int:
-    """Bytes of the storages of the traced values of `saved` that are not storages of `kept`:
-    the graph's inputs and forward outputs, which the step keeps anyway (the next block saves its
-    input)."""
+def _saved_bytes(graph: torch.fx.Graph, saved: Sequence[torch.fx.Node], num_fwd_outputs: int) -> int:
+    """Bytes of the storages of the traced values of `saved` (nodes of `graph`) that are not
+    storages of the graph's inputs or forward outputs, which the step keeps anyway (the next
+    block saves its input)."""
 
     def storage(node: torch.fx.Node) -> torch.UntypedStorage | None:
         value = node.meta.get("val")
@@ -100,25 +106,15 @@ def _storage_bytes(saved: Sequence[torch.fx.Node], kept: Sequence[torch.fx.Node]
             return None  # saved sizes (SymInts)
         return value.untyped_storage()
 
+    outputs = pytree.arg_tree_leaves(*(node.args for node in graph.find_nodes(op="output")))
+    kept = [*graph.find_nodes(op="placeholder"), *outputs[:num_fwd_outputs]]
     known = {s._cdata for s in map(storage, kept) if s is not None}
     total = 0
     for value in map(storage, saved):
         if value is not None and value._cdata not in known:
             known.add(value._cdata)
-            total += _hinted(value.nbytes())
+            total += _size(value.nbytes())
     return total
-
-
-def _joint_kept(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> list[torch.fx.Node]:
-    """A joint graph's inputs and forward outputs."""
-    outputs = pytree.arg_tree_leaves(*(node.args for node in joint.graph.find_nodes(op="output")))
-    return [*joint.graph.find_nodes(op="placeholder"), *outputs[:num_fwd_outputs]]
-
-
-def _forward_saved_bytes(forward: torch.fx.GraphModule, num_fwd_outputs: int) -> int:
-    """What a partition's forward graph saves for the backward (its outputs after the forward's own)."""
-    outputs = pytree.arg_tree_leaves(*(node.args for node in forward.graph.find_nodes(op="output")))
-    return _storage_bytes(outputs[num_fwd_outputs:], [*forward.graph.find_nodes(op="placeholder"), *outputs[:num_fwd_outputs]])
 
 
 class _SavedValuesChosen(Exception):
@@ -129,19 +125,27 @@ class _SavedValuesChosen(Exception):
         self.saved_bytes = saved_bytes
 
 
-def partition_saved_bytes(joint: torch.fx.GraphModule, joint_inputs: Any, budget: float, **partition_kwargs: Any) -> int:
-    """What the min-cut partition of `joint` (left as it is) at `budget` saves for the backward.
-    The partitioner is stopped once it chose, where it would extract the two graphs
-    (`_extract_fwd_bwd_modules`, the same call in torch 2.8 to 2.14)."""
+_stopping = threading.Lock()  # one patch at a time: overlapping ones would restore each other's
+
+
+def partition_saved_bytes(
+    joint: torch.fx.GraphModule, joint_inputs: Any, budget: float, **partition_kwargs: Any
+) -> int:
+    """What the min-cut partition of `joint` (left as it is) at `budget` saves for the backward,
+    as the partitioner chose it: it is stopped where it would extract the forward and backward
+    graphs (`_extract_fwd_bwd_modules`, called so in torch 2.8 to 2.14). The extraction then
+    drops saved values the backward does not use (a min cut's are all used) and may quantize or
+    offload them (config, off by default): not counted."""
     extract = partitioners._extract_fwd_bwd_modules
     thread = threading.get_ident()
+    num_fwd_outputs = partition_kwargs["num_fwd_outputs"]
 
     def stop(copied: torch.fx.GraphModule, saved_values: list[torch.fx.Node], *args: Any, **kwargs: Any) -> Any:
         if threading.get_ident() != thread:  # another thread's compile: to the end
             return extract(copied, saved_values, *args, **kwargs)
-        raise _SavedValuesChosen(_storage_bytes(saved_values, _joint_kept(copied, kwargs["num_fwd_outputs"])))
+        raise _SavedValuesChosen(_saved_bytes(copied.graph, saved_values, num_fwd_outputs))
 
-    with torch._functorch.config.patch(activation_memory_budget=budget):
+    with _stopping, torch._functorch.config.patch(activation_memory_budget=budget):
         with mock.patch.object(partitioners, "_extract_fwd_bwd_modules", stop):
             try:
                 partitioners.min_cut_rematerialization_partition(
@@ -200,7 +204,7 @@ class SavedBytesEstimate:
         if budget not in self.candidates:
             raise ValueError(f"budget {budget} is not one of the candidates {self.candidates}")
         called = [g for g in self.graphs if g.calls]
-        return sum(g.calls * (self._saved(g, budget) - g.saved_bytes[self.budget]) for g in called)
+        return sum(g.calls * (self._saved(g, budget) - self._saved(g, self.budget)) for g in called)
 
     def _partition_traced(
         self, joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any
@@ -209,9 +213,7 @@ class SavedBytesEstimate:
         # copies of the graph they and this partition left (the partitioner changes the graph it is given).
         with torch._functorch.config.patch(activation_memory_budget=self.budget):
             forward, backward = self._partition(joint, joint_inputs, **kwargs)
-        record = GraphRecord(joint, joint_inputs, kwargs)
-        record.saved_bytes[self.budget] = _forward_saved_bytes(forward, kwargs["num_fwd_outputs"])
-        self._pending = record
+        self._pending = GraphRecord(joint, joint_inputs, kwargs)
         return forward, backward
 
     def _saved(self, graph: GraphRecord, budget: float) -> int:

@@ -127,9 +127,13 @@ def test_calibration_picks_the_fastest_fitting_budget_and_leaves_training_unchan
     acceleration.auto_budget.predict = _scripted_prediction(acceleration, error_gib=-0.6)
     assert acceleration.stats()["auto_budget"] is None
     rng = torch.get_rng_state()
+    traced = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     loss, grads = lora_step(model, params, inputs)
+    traced = torch._dynamo.utils.counters["stats"]["unique_graphs"] - traced
 
     assert calls == [0.7, 0.5]  # 0.7 measured over the limit, then the next smaller one fits
+    # The traced step, 0.7 and 0.5 each compiled the block's graph from dynamo's one trace of it.
+    assert traced == acceleration.stats()["unique_graphs"] > 0
     result = acceleration.stats()["auto_budget"]
     assert result["budget"] == 0.5 and result["fits"] and not result["cached"]  # fastest under 2.6 GiB
     assert [(row["budget"], row["peak_bytes"]) for row in result["predicted"]] == [
@@ -186,7 +190,7 @@ def test_predicted_peaks_are_what_each_budget_saves(monkeypatch) -> None:
     assert list(below_half) == [0.0, 0.5, 0.1, 0.3]
     predicted = {**traced, **top, **below_half}
     assert all(p[0.0] == predicted[0.0] for p in predictions) and traced[0.5] == top[0.5]
-    assert partitioned == [0.5, 0.1, 0.7, 1.0, 0.3]  # one graph: each other budget once, when first asked for
+    assert partitioned == [0.0, 0.5, 0.1, 0.7, 1.0, 0.3]  # one graph: each budget once, when first asked for
     acceleration.remove()
     measured = {}
     for budget in CANDIDATES:
@@ -218,10 +222,10 @@ def test_bisection_predicts_the_largest_fitting_and_the_next_larger_with_few_par
     assert len(asked) == len(set(asked)) <= 4  # the lowest, then at most three of the five others
 
 
-def test_a_partition_stopped_at_its_choice_counts_what_the_whole_partition_saves(monkeypatch) -> None:
-    """Bisection's partitions stop once the partitioner chose what to save: for every budget and
-    traced graph, the bytes the full partition's forward graph saves (storages: a saved view
-    counts with its base, once), and no forward or backward graph is built."""
+def test_a_partition_stopped_at_its_choice_counts_what_the_whole_partition_saves() -> None:
+    """Partitions for a prediction stop once the partitioner chose what to save: for every budget
+    and traced graph, the bytes that the whole partition's forward graph saves (its outputs after
+    the forward's own, storages not among its inputs and outputs)."""
     model, _ = _model()
     acceleration = _auto(model, 1.0, [])
     real_predict = acceleration.auto_budget._predict
@@ -235,26 +239,21 @@ def test_a_partition_stopped_at_its_choice_counts_what_the_whole_partition_saves
         lora_step(model, [], inputs_for(model))
     graphs = acceleration.auto_budget._estimate.graphs
     assert graphs
-    partitioners = saved_bytes.partitioners
     for graph in graphs:
-        full = {}
+        stopped, whole = {}, {}
         for budget in CANDIDATES:
+            stopped[budget] = saved_bytes.partition_saved_bytes(
+                graph.joint, graph.joint_inputs, budget, **graph.partition_kwargs
+            )
             with torch._functorch.config.patch(activation_memory_budget=budget):
-                forward, _ = partitioners.min_cut_rematerialization_partition(
+                forward, _ = saved_bytes.partitioners.min_cut_rematerialization_partition(
                     copy.deepcopy(graph.joint), graph.joint_inputs, compiler="inductor", **graph.partition_kwargs
                 )
-            full[budget] = saved_bytes._forward_saved_bytes(forward, graph.partition_kwargs["num_fwd_outputs"])
-        assert full[1.0] > 2 * full[0.0]  # the budgets differ enough for this to test something
-        assert full[CANDIDATES[0]] == graph.saved_bytes[CANDIDATES[0]]  # the traced budget's, as it ran
-        extract = partitioners._extract_fwd_bwd_modules
-        extracted = []
-        with monkeypatch.context() as patch:
-            patch.setattr(partitioners, "_extract_fwd_bwd_modules", lambda *a, **k: extracted.append(1) or extract(*a, **k))
-            stopped = {
-                budget: saved_bytes.partition_saved_bytes(graph.joint, graph.joint_inputs, budget, **graph.partition_kwargs)
-                for budget in CANDIDATES
-            }
-        assert stopped == full and extracted == []
+            split = graph.partition_kwargs["num_fwd_outputs"]
+            outputs = [a for a in forward.graph.find_nodes(op="output")[0].args[0]]
+            whole[budget] = saved_bytes._saved_bytes(forward.graph, outputs[split:], split)
+        assert whole[1.0] > 2 * whole[0.0]  # the budgets differ enough for this to test something
+        assert stopped == whole
     acceleration.remove()
 
 
@@ -326,6 +325,27 @@ def test_chosen_budget_reuses_its_calibration_graphs() -> None:
     assert acceleration.stats()["unique_graphs"] == after_calibration["unique_graphs"] >= 2
     assert acceleration.stats()["compile_seconds"] == after_calibration["compile_seconds"] > 0
     assert acceleration.stats()["recompiles"] == 0
+
+
+def test_a_graph_traced_with_symbolic_shapes_is_traced_again_for_another_budget() -> None:
+    """Budgets share dynamo's trace of a graph only while it is static: a symbolic one (dynamo's
+    automatic dynamic shapes, after a new resolution) compiled for a later budget from one call's
+    inputs would fit that call's shapes alone. Each resolution after the switch runs as eager."""
+    torch._dynamo.reset()
+    model, params = _model()
+    acceleration = _auto(model, 2.6, [], candidates=(0.5, 1.0))
+    lora_step(model, params, inputs_for(model))
+    assert acceleration.auto_budget.result is not None
+    lora_step(model, params, inputs_for(model, res=24))  # a new shape: the graph turns symbolic
+    for shared in acceleration.functions:
+        shared.use_budget(1.0, shared.stats)
+    inputs = {res: inputs_for(model, res=res) for res in (32, 40)}
+    compiled = {res: lora_step(model, params, inputs[res]) for res in inputs}
+    acceleration.remove()
+    for res, (loss, grads) in compiled.items():
+        expected_loss, expected_grads = lora_step(model, params, inputs[res])
+        assert relative_error(loss, expected_loss) < 1e-4, res
+        assert all(relative_error(g, e) < 1e-4 for g, e in zip(grads, expected_grads, strict=True)), res
 
 
 def test_out_of_memory_moves_the_search_down_and_leaves_gradients_alone() -> None:

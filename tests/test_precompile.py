@@ -225,3 +225,21 @@ def test_diffusers_blocks_precompile_and_a_new_start_runs_them_as_eager(tmp_path
     expected_loss, expected_grads = _step(model, params, inputs)
     assert relative_error(loss, expected_loss) < 1e-4
     assert max(map(relative_error, grads, expected_grads)) < 1e-4
+
+
+def test_saved_guards_leave_out_what_torch_cannot_save_and_keep_the_rest() -> None:
+    from torch._dynamo.types import GuardFilterEntry
+
+    def entry(guard_type: str, derived: tuple[str, ...] = (), is_global: bool = False) -> GuardFilterEntry:
+        return GuardFilterEntry("L['x']", False, None, guard_type, derived, is_global, None)
+
+    entries = [
+        entry("TENSOR_MATCH"),
+        entry("TYPE_MATCH"),
+        entry("TENSOR_MATCH", is_global=True),  # on a module global, as aot_compile's own filter
+        entry("ID_MATCH"),  # a kind torch cannot save
+        entry("CONSTANT_MATCH", ("ID_MATCH", "ID_MATCH")),  # a code object's identity (diffusers' Attention)
+        entry("CONSTANT_MATCH"),
+        entry("TENSOR_MATCH", ("ID_MATCH",)),  # a tensor matched by identity: kept, its save fails as before
+    ]
+    assert precompile.saved_guards(entries) == [True, True, False, False, False, True, True]
