@@ -16,7 +16,8 @@ the backward's reordering took 20 of 46 s of partitioning in a CPU profile of sd
 U-Net, torch 2.14).
 Partitioning is most of what the estimate costs (a second or so per graph and budget for a
 full-size block before it stopped early), so only the budgets asked for are partitioned: auto
-bisects for the largest predicted to fit. The traced budget is counted the same way.
+bisects for the largest predicted to fit. The traced budget's own partition is counted the
+same way, as it goes.
 
 The traced graphs hold the attention kernels the compiled step would run (cuDNN's, where
 torch picks it): the partitioner decides differently for them (cuDNN's attention is not among
@@ -30,10 +31,11 @@ instead of compiling each candidate with inductor to find out.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
 from unittest import mock
@@ -118,41 +120,48 @@ def _saved_bytes(graph: torch.fx.Graph, saved: Sequence[torch.fx.Node], num_fwd_
 
 
 class _SavedValuesChosen(Exception):
-    """Raised where the partitioner would build the forward and backward graphs, with the bytes
-    of what it chose to save."""
-
-    def __init__(self, saved_bytes: int) -> None:
-        self.saved_bytes = saved_bytes
+    """Raised where the partitioner would build the forward and backward graphs."""
 
 
-_stopping = threading.Lock()  # one patch at a time: overlapping ones would restore each other's
+_counting = threading.Lock()  # one patch at a time: overlapping ones would restore each other's
+
+
+@contextlib.contextmanager
+def _counting_saved_values(num_fwd_outputs: int, stop: bool) -> Iterator[list[int]]:
+    """Inside, a partition on this thread appends the bytes of what the partitioner chose to save
+    to the list yielded, where it would extract the forward and backward graphs
+    (`_extract_fwd_bwd_modules`, called so in torch 2.8 to 2.14), and with `stop` goes no
+    further (_SavedValuesChosen). The extraction then drops saved values the backward does not
+    use (a min cut's are all used) and may quantize or offload them (config, off by default):
+    not counted, the same for every budget."""
+    extract = partitioners._extract_fwd_bwd_modules
+    thread = threading.get_ident()
+    counted: list[int] = []
+
+    def counting(joint: torch.fx.GraphModule, saved_values: list[torch.fx.Node], *args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() == thread:  # another thread's compile: as it is
+            counted.append(_saved_bytes(joint.graph, saved_values, num_fwd_outputs))
+            if stop:
+                raise _SavedValuesChosen
+        return extract(joint, saved_values, *args, **kwargs)
+
+    with _counting, mock.patch.object(partitioners, "_extract_fwd_bwd_modules", counting):
+        yield counted
 
 
 def partition_saved_bytes(
     joint: torch.fx.GraphModule, joint_inputs: Any, budget: float, **partition_kwargs: Any
 ) -> int:
     """What the min-cut partition of `joint` (left as it is) at `budget` saves for the backward,
-    as the partitioner chose it: it is stopped where it would extract the forward and backward
-    graphs (`_extract_fwd_bwd_modules`, called so in torch 2.8 to 2.14). The extraction then
-    drops saved values the backward does not use (a min cut's are all used) and may quantize or
-    offload them (config, off by default): not counted."""
-    extract = partitioners._extract_fwd_bwd_modules
-    thread = threading.get_ident()
-    num_fwd_outputs = partition_kwargs["num_fwd_outputs"]
-
-    def stop(copied: torch.fx.GraphModule, saved_values: list[torch.fx.Node], *args: Any, **kwargs: Any) -> Any:
-        if threading.get_ident() != thread:  # another thread's compile: to the end
-            return extract(copied, saved_values, *args, **kwargs)
-        raise _SavedValuesChosen(_saved_bytes(copied.graph, saved_values, num_fwd_outputs))
-
-    with _stopping, torch._functorch.config.patch(activation_memory_budget=budget):
-        with mock.patch.object(partitioners, "_extract_fwd_bwd_modules", stop):
+    as the partitioner chose it (stopped there: the two graphs are not built)."""
+    with torch._functorch.config.patch(activation_memory_budget=budget):
+        with _counting_saved_values(partition_kwargs["num_fwd_outputs"], stop=True) as counted:
             try:
                 partitioners.min_cut_rematerialization_partition(
                     copy.deepcopy(joint), joint_inputs, compiler="inductor", **partition_kwargs
                 )
-            except _SavedValuesChosen as chosen:
-                return chosen.saved_bytes
+            except _SavedValuesChosen:
+                return counted[-1]
     raise RuntimeError("torch's min-cut partitioner returned without extracting the forward and backward graphs")
 
 
@@ -212,8 +221,9 @@ class SavedBytesEstimate:
         # Inductor's joint-graph passes run once, here, on `joint` itself; other budgets partition
         # copies of the graph they and this partition left (the partitioner changes the graph it is given).
         with torch._functorch.config.patch(activation_memory_budget=self.budget):
-            forward, backward = self._partition(joint, joint_inputs, **kwargs)
-        self._pending = GraphRecord(joint, joint_inputs, kwargs)
+            with _counting_saved_values(kwargs["num_fwd_outputs"], stop=False) as counted:
+                forward, backward = self._partition(joint, joint_inputs, **kwargs)
+        self._pending = GraphRecord(joint, joint_inputs, kwargs, saved_bytes={self.budget: counted[-1]})
         return forward, backward
 
     def _saved(self, graph: GraphRecord, budget: float) -> int:
