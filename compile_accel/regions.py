@@ -16,7 +16,6 @@ for it (inputs in one layout, compile time, graph breaks, fallbacks).
 
 from __future__ import annotations
 
-import copy
 import functools
 import inspect
 import logging
@@ -45,37 +44,6 @@ def _split_method(forward: Callable) -> tuple[Callable, Any]:
     return forward, None
 
 
-def _symbolic(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> bool:
-    """Whether dynamo traced `gm` with symbolic shapes (sizes among its inputs, or in its inputs' shapes)."""
-    if any(not isinstance(x, torch.Tensor) for x in example_inputs):
-        return True
-    values = (node.meta.get("example_value") for node in gm.graph.find_nodes(op="placeholder"))
-    return any(isinstance(v, torch.Tensor) and not all(isinstance(d, int) for d in v.shape) for v in values)
-
-
-class GraphPerBudget:
-    """What one dynamo graph of an `auto` function runs (CompiledFunction, one trace): the graph
-    as the backend of the function's current budget compiled it. The first budget compiles in
-    dynamo's compile, as usual; another compiles at the graph's first call under it, from a
-    copy of the traced graph (each backend rewrites its own in place) and that call's inputs,
-    under the trace's compile id (its logs and recompile check)."""
-
-    def __init__(self, shared: CompiledFunction, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> None:
-        self.shared = shared
-        self.traced = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))  # its tensors shared, not copied
-        self.compile_id = torch._guards.CompileContext.current_compile_id()
-        self.compiled: dict[RegionBackend, Callable] = {shared.backend: shared.backend(gm, example_inputs)}
-
-    def __call__(self, *args: Any) -> Any:
-        backend = self.shared.backend
-        compiled = self.compiled.get(backend)
-        if compiled is None:
-            traced = torch.fx.GraphModule(self.traced, copy.deepcopy(self.traced.graph))
-            with torch._guards.compile_context(torch._guards.CompileContext(self.compile_id)):
-                compiled = self.compiled[backend] = backend(traced, list(args))
-        return compiled(*args)  # as dynamo calls what a backend returns
-
-
 class CompiledFunction:
     """One torch.compile of one forward function, shared by every region that runs it."""
 
@@ -93,16 +61,8 @@ class CompiledFunction:
         self.compiled_contexts: set[tuple[type, bool]] = set()
         self._warned_checkpoint = False
         self.precompiled = Precompiled(fn)
-        self._backends: dict[tuple[float | None, SavedBytesEstimate | None], RegionBackend] = {}
-        self._compiled: dict[Callable, Callable] = {}  # torch.compile per backend; with one trace, one for all
+        self._by_budget: dict[tuple[float | None, SavedBytesEstimate | None], tuple[RegionBackend, Callable]] = {}
         budget = config.activation_memory_budget
-        # Under auto, every budget's graphs come from one dynamo trace (only the partition differs):
-        # sd-scripts' SDXL spent 10-12.5 s of its first step tracing again for the chosen budget. Not
-        # with CUDA graphs (recorded inside dynamo's compile) or symbolic shapes from the start
-        # (what the backends would add to dynamo's guards): those trace once per budget.
-        self._one_trace = (
-            budget == "auto" and config.compile_mode not in CUDA_GRAPH_MODES and not config.compile_dynamic
-        )
         self.use_budget(None if budget == "auto" else budget, stats)
         code = getattr(fn, "__code__", None)
         if code is not None:
@@ -110,17 +70,12 @@ class CompiledFunction:
 
     def use_budget(self, budget: float | None, stats: Stats, estimate: SavedBytesEstimate | None = None) -> None:
         """Compile with `budget` from now on, counting into `stats` (with `estimate`: traced for it,
-        without inductor). Each budget keeps its own backend, and going back to a budget reuses
-        the graphs compiled for it: with one trace, each graph keeps one compile per backend
-        (GraphPerBudget); otherwise each budget has a torch.compile wrapper of its own (the
-        backend is part of dynamo's guards)."""
+        without inductor). Each budget keeps its own backend and torch.compile wrapper: the
+        backend is part of dynamo's guards, so going back to a budget reuses the graphs compiled
+        for it."""
         key = (budget, estimate)
-        if key not in self._backends:
-            self._backends[key] = RegionBackend(self.config, budget, stats, estimate)
-        self.backend = self._backends[key]
-        self.backend.stats = self.stats = stats
-        backend = self._trace_once if self._one_trace else self.backend
-        if backend not in self._compiled:
+        if key not in self._by_budget:
+            backend = RegionBackend(self.config, budget, stats, estimate)
             kwargs: dict[str, Any] = {
                 "backend": backend,
                 "fullgraph": self.config.fullgraph,
@@ -128,16 +83,9 @@ class CompiledFunction:
             }
             if COMPILE_TAKES_RECOMPILE_LIMIT:
                 kwargs["recompile_limit"] = self.recompile_limit
-            self._compiled[backend] = torch.compile(self.fn, **kwargs)
-        self.compiled = self._compiled[backend]
-
-    def _trace_once(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
-        if _symbolic(gm, example_inputs):
-            # Compiled outside dynamo's trace, a symbolic graph would lose the guards its compile
-            # adds (automatic dynamic shapes, after a new shape): budgets from now on trace again.
-            self._one_trace = False
-            return self.backend(gm, example_inputs)
-        return GraphPerBudget(self, gm, example_inputs)
+            self._by_budget[key] = (backend, torch.compile(self.fn, **kwargs))
+        self.backend, self.compiled = self._by_budget[key]
+        self.backend.stats = self.stats = stats
 
     @property
     def name(self) -> str:

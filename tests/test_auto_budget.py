@@ -127,13 +127,9 @@ def test_calibration_picks_the_fastest_fitting_budget_and_leaves_training_unchan
     acceleration.auto_budget.predict = _scripted_prediction(acceleration, error_gib=-0.6)
     assert acceleration.stats()["auto_budget"] is None
     rng = torch.get_rng_state()
-    traced = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     loss, grads = lora_step(model, params, inputs)
-    traced = torch._dynamo.utils.counters["stats"]["unique_graphs"] - traced
 
     assert calls == [0.7, 0.5]  # 0.7 measured over the limit, then the next smaller one fits
-    # The traced step, 0.7 and 0.5 each compiled the block's graph from dynamo's one trace of it.
-    assert traced == acceleration.stats()["unique_graphs"] > 0
     result = acceleration.stats()["auto_budget"]
     assert result["budget"] == 0.5 and result["fits"] and not result["cached"]  # fastest under 2.6 GiB
     assert [(row["budget"], row["peak_bytes"]) for row in result["predicted"]] == [
@@ -250,7 +246,7 @@ def test_a_partition_stopped_at_its_choice_counts_what_the_whole_partition_saves
                     copy.deepcopy(graph.joint), graph.joint_inputs, compiler="inductor", **graph.partition_kwargs
                 )
             split = graph.partition_kwargs["num_fwd_outputs"]
-            outputs = [a for a in forward.graph.find_nodes(op="output")[0].args[0]]
+            outputs = list(forward.graph.find_nodes(op="output")[0].args[0])
             whole[budget] = saved_bytes._saved_bytes(forward.graph, outputs[split:], split)
         assert whole[1.0] > 2 * whole[0.0]  # the budgets differ enough for this to test something
         assert stopped == whole
@@ -326,27 +322,6 @@ def test_chosen_budget_reuses_its_calibration_graphs() -> None:
     assert acceleration.stats()["unique_graphs"] == after_calibration["unique_graphs"] >= 2
     assert acceleration.stats()["compile_seconds"] == after_calibration["compile_seconds"] > 0
     assert acceleration.stats()["recompiles"] == 0
-
-
-def test_a_graph_traced_with_symbolic_shapes_is_traced_again_for_another_budget() -> None:
-    """Budgets share dynamo's trace of a graph only while it is static: a symbolic one (dynamo's
-    automatic dynamic shapes, after a new resolution) compiled for a later budget from one call's
-    inputs would fit that call's shapes alone. Each resolution after the switch runs as eager."""
-    torch._dynamo.reset()
-    model, params = _model()
-    acceleration = _auto(model, 2.6, [], candidates=(0.5, 1.0))
-    lora_step(model, params, inputs_for(model))
-    assert acceleration.auto_budget.result is not None
-    lora_step(model, params, inputs_for(model, res=24))  # a new shape: the graph turns symbolic
-    for shared in acceleration.functions:
-        shared.use_budget(1.0, shared.stats)
-    inputs = {res: inputs_for(model, res=res) for res in (32, 40)}
-    compiled = {res: lora_step(model, params, inputs[res]) for res in inputs}
-    acceleration.remove()
-    for res, (loss, grads) in compiled.items():
-        expected_loss, expected_grads = lora_step(model, params, inputs[res])
-        assert relative_error(loss, expected_loss) < 1e-4, res
-        assert all(relative_error(g, e) < 1e-4 for g, e in zip(grads, expected_grads, strict=True)), res
 
 
 def test_out_of_memory_moves_the_search_down_and_leaves_gradients_alone() -> None:
