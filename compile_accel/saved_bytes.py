@@ -139,10 +139,11 @@ def _counting_saved_values(num_fwd_outputs: int, stop: bool) -> Iterator[list[in
     counted: list[int] = []
 
     def counting(joint: torch.fx.GraphModule, saved_values: list[torch.fx.Node], *args: Any, **kwargs: Any) -> Any:
-        if threading.get_ident() == thread:  # another thread's compile: as it is
-            counted.append(_saved_bytes(joint.graph, saved_values, num_fwd_outputs))
-            if stop:
-                raise _SavedValuesChosen
+        if threading.get_ident() != thread:  # another thread's compile: as it is
+            return extract(joint, saved_values, *args, **kwargs)
+        counted.append(_saved_bytes(joint.graph, saved_values, num_fwd_outputs))
+        if stop:
+            raise _SavedValuesChosen
         return extract(joint, saved_values, *args, **kwargs)
 
     with _counting, mock.patch.object(partitioners, "_extract_fwd_bwd_modules", counting):
