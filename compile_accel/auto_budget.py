@@ -26,7 +26,7 @@ graphs compile in the workers while the steps run it uncompiled (under a checkpo
 save no more than the lowest budget), and it is measured at the first step after they are back.
 If none fits, the lowest peak is taken, with a warning. The table (measured and predicted) and
 the choice are logged, returned in `stats()["auto_budget"]`, and cached in a JSON file keyed by
-model (class, parameter counts, config), what is compiled and how, input shapes, device, torch
+model (class, parameter counts per dtype, config), what is compiled and how, input shapes, device, torch
 version and limit, so the next run of the same training skips calibration.
 
 Gradients, RNG state and everything else the calibration touches are put back before the real

@@ -3,7 +3,7 @@ writes there.
 
 Two caches use this: auto's calibration (compile_accel.auto_budget) and the compiled-graph
 artifacts (compile_accel.compile_cache). Both are keyed by the run: the model (class,
-parameter counts, its `config`), what is compiled and how, the input shapes and dtypes,
+parameter counts per dtype, its `config`), what is compiled and how, the input shapes and dtypes,
 autocast, the GPU and the torch version, plus what each cache adds. A run that differs in any
 of these gets an entry of its own.
 """
@@ -54,7 +54,8 @@ def _model_config(model: nn.Module) -> str:
 
 def run_key(model: nn.Module, compiled: str, inputs: list[torch.Tensor], device: torch.device, *extra: Any) -> str:
     """A short hash of everything that decides what a run compiles (module docstring) and `extra`."""
-    elements: dict[str, list[int]] = {}  # per dtype: parameter elements, of which trainable (fp8 against bf16 weights)
+    # Per dtype: parameter elements, and of them trainable (an fp8 and a bf16 copy of a model differ).
+    elements: dict[str, list[int]] = {}
     for p in model.parameters():
         counts = elements.setdefault(str(p.dtype), [0, 0])
         counts[0] += p.numel()
