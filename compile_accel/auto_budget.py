@@ -24,6 +24,8 @@ budget's graphs are the ones training then runs. With compile workers
 (CompileConfig.compile_workers), the first step waits only for the prediction: the candidate's
 graphs compile in the workers while the steps run it uncompiled (under a checkpoint, so they
 save no more than the lowest budget), and it is measured at the first step after they are back.
+The first candidate compiled there is compiled from the traced step's own graphs, packed for
+the workers as dynamo traced them: the step is not traced again (RegionBackend.adopt).
 If none fits, the lowest peak is taken, with a warning. The table (measured and predicted) and
 the choice are logged, returned in `stats()["auto_budget"]`, and cached in a JSON file keyed by
 model (class, parameter counts per dtype, config), what is compiled and how, input shapes, device, torch
@@ -553,8 +555,9 @@ class AutoBudget:
                     from torch._inductor.cudagraph_trees import reset_cudagraph_trees
 
                     reset_cudagraph_trees()  # free the pools of the candidate measured before
-                self.set_budget(budget, counts[-1])
-                search.run()  # compiles the budget's graphs, or hands them to the compile workers
+                self.set_budget(budget, counts[-1])  # may hand the traced step's graphs to the compile workers
+                if not counts[-1].worker_graphs_started:
+                    search.run()  # compiles the budget's graphs, or hands them to the compile workers
                 if counts[-1].worker_graphs_started:
                     search.in_workers, search.in_workers_stats = (level, budget), counts.pop()
                     raise _InWorkers

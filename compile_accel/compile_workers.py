@@ -38,6 +38,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Callable
 from unittest import mock
 
@@ -376,15 +377,16 @@ def _compile_packed(packed: bytes, compiler: Callable) -> Callable:
         return compiler(gm, fakes)
 
 
-def _job(packed: bytes, compiler: Callable) -> bytes:
-    """A graph's compile for a worker: the graph, the compiler and the settings in force now."""
+def _job(packed: bytes, compiler: Callable, state: dict[str, Any] | None = None) -> bytes:
+    """A graph's compile for a worker: the graph, the compiler and the settings in force now,
+    under `state` (grad mode, autocast, ...; default: as they are now)."""
     return pickle.dumps(
         (
             packed,
             compiler,
             torch._inductor.config.save_config_portable(),
             torch._functorch.config.save_config_portable(),
-            _runtime_state(),
+            _runtime_state() if state is None else state,
         )
     )
 
@@ -550,6 +552,41 @@ class WorkerGraph:
 def _cache_env() -> dict[str, str]:
     # The worker writes where this process reads.
     return {name: os.environ[name] for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR") if name in os.environ}
+
+
+@dataclass
+class TracedGraph:
+    """A graph dynamo traced, packed for a worker at its trace (`pack_traced`) and handed to one
+    later (`hand_over`): auto's traced step (compile_accel.saved_bytes) runs it uncompiled, and
+    the budget auto then picks compiles it without dynamo tracing it again."""
+
+    gm: torch.fx.GraphModule
+    packed: bytes
+    state: dict[str, Any]  # grad mode, autocast, ... at the trace
+    label: str
+
+
+def pack_traced(gm: torch.fx.GraphModule, example_inputs: list[Any], label: str) -> TracedGraph | None:
+    """`gm` packed as it is now, before anything compiles it (None: it cannot go to a worker)."""
+    if not should_use_local_autograd_cache():
+        return None
+    with _unseen_by_checkpoints():
+        packed = _pack_graph(gm, example_inputs)
+    return None if isinstance(packed, str) else TracedGraph(gm, packed, _runtime_state(), label)
+
+
+def hand_over(graph: TracedGraph, compiler: Callable, compile_here: Callable, stats: Stats) -> WorkerGraph:
+    """A traced graph's compile under the settings in force now, handed to a worker; the graph
+    runs uncompiled under a checkpoint until it is back (arguments as `compile_in_workers`). A
+    pool that cannot take it makes a graph whose worker failed: compiled at its next call."""
+    future: concurrent.futures.Future
+    try:
+        future = _submit(_compile_in_worker, _job(graph.packed, compiler, graph.state), _cache_env())
+    except Exception as error:  # a setting that does not pickle; no pool could start
+        future = concurrent.futures.Future()
+        future.set_exception(error)
+    stats.worker_graphs_started += 1
+    return WorkerGraph(graph.gm, graph.packed, compile_here, future, stats, graph.label, checkpointed=True)
 
 
 def compile_in_workers(

@@ -11,6 +11,8 @@ Each CompiledFunction (compile_accel.regions) has a `Precompiled`:
 - `note(owner, args, kwargs, budget)`: a call that compiled a graph, kept as its layout (the
   instance the function was called on, each tensor's shape, strides, dtype, device and
   requires_grad, the other arguments as they are), with its grad mode and autocast.
+  Calls of auto's traced step are noted at `TRACED` and `relabel`ed to the budget auto picks,
+  whose graphs they become (compile_accel.backend.RegionBackend.adopt).
 - `capture(compile_for, budget)`: each call noted at `budget` traced again by `aot_compile` on
   stand-in tensors of its layout. The graph goes to the compile workers
   (compile_accel.compile_workers.precompile_in_workers), which compile it as aot_compile does:
@@ -71,6 +73,7 @@ except ImportError:  # torch < 2.10
 SUPPORTED = AOTCompiledFunction is not None and hasattr(torch._dynamo.config, "enable_aot_compile")
 
 _FORMAT = 1  # of the file; another is read as no file
+TRACED = "traced"  # the budget a call of auto's traced step is noted at
 
 
 @functools.cache
@@ -140,7 +143,7 @@ class _Call:
     args: tuple  # layouts of the call's arguments after the instance
     kwargs: dict
     context: tuple
-    budget: float | None
+    budget: float | str | None  # (TRACED)
 
 
 @dataclass
@@ -169,13 +172,19 @@ class Precompiled:
         """Loaded graphs that ran."""
         return sum(loaded.used for loaded in self.loaded)
 
-    def note(self, owner: Any, args: tuple, kwargs: dict, budget: float | None) -> None:
+    def note(self, owner: Any, args: tuple, kwargs: dict, budget: float | str | None) -> None:
         """A call that compiled a graph (each is another graph: dynamo compiled it because no
         graph's guards passed, which may be the owner's weights' shapes)."""
         if self.noting:
             owner_ref = None if owner is None else weakref.ref(owner)
             layouts = pytree.tree_map(_layout, args), pytree.tree_map(_layout, kwargs)
             self._noted.append(_Call(owner_ref, _kind(owner), *layouts, _call_context(), budget))
+
+    def relabel(self, budget: float | str | None, to: float | None) -> None:
+        """The calls noted at `budget` are noted at `to` from now on."""
+        for call in self._noted:
+            if call.budget == budget:
+                call.budget = to
 
     def capture(self, compile_for: Callable[[float | None], Callable], budget: float | None) -> list[tuple]:
         """Each call noted at `budget` traced by `aot_compile` on stand-ins of its layout, its

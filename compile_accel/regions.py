@@ -30,7 +30,7 @@ from .checkpointing import under_saved_tensor_checkpoint
 from .saved_bytes import SavedBytesEstimate
 from .config import CUDA_GRAPH_MODES, CompileConfig
 from .dynamo_settings import COMPILE_TAKES_RECOMPILE_LIMIT, ensure_thread_settings
-from .precompile import Precompiled, saved_guards
+from .precompile import TRACED, Precompiled, saved_guards
 from .selective import RegionSpec
 from .stats import RECOMPILE_LIMIT_WATCHER, Stats, graph_break_total, warn
 
@@ -74,6 +74,11 @@ class CompiledFunction:
         backend is part of dynamo's guards, so going back to a budget reuses the graphs compiled
         for it."""
         key = (budget, estimate)
+        if key not in self._by_budget and self._by_budget and estimate is None and self.backend.adopt(budget, stats):
+            # auto's traced graphs, handed to the compile workers at the budget it picked
+            traced = next(k for k, (backend, _) in self._by_budget.items() if backend is self.backend)
+            self._by_budget[key] = self._by_budget.pop(traced)
+            self.precompiled.relabel(TRACED, budget)
         if key not in self._by_budget:
             backend = RegionBackend(self.config, budget, stats, estimate)
             kwargs: dict[str, Any] = {
@@ -167,8 +172,8 @@ class CompiledFunction:
                 stats.graphs,
             )
             self.compiled_contexts.add(context)
-            if budget is not False:
-                self.precompiled.note(region.owner, args, kwargs, budget)
+            if budget is not False or self.backend.traced is not None:  # (traced: for `adopt`)
+                self.precompiled.note(region.owner, args, kwargs, TRACED if budget is False else budget)
             if self.backend.saw_checkpoint:
                 self.backend.saw_checkpoint = False
                 self.note_still_checkpointed(self.regions, "their forward calls torch.utils.checkpoint")

@@ -16,7 +16,8 @@ the backward's reordering took 20 of 46 s of partitioning in a CPU profile of sd
 U-Net, torch 2.14).
 Partitioning is most of what the estimate costs (a second or so per graph and budget for a
 full-size block before it stopped early), so only the budgets asked for are partitioned: auto
-bisects for the largest predicted to fit. The traced budget's own partition is counted the
+bisects for the largest predicted to fit; and the min cuts a partition solves before its
+budget matters are solved once per graph. The traced budget's own partition is counted the
 same way, as it goes.
 
 The traced graphs hold the attention kernels the compiled step would run (cuDNN's, where
@@ -36,7 +37,7 @@ import copy
 import functools
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from typing import Any, Callable
 from unittest import mock
 
@@ -47,6 +48,7 @@ import torch.utils._pytree as pytree
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch import partitioners
 from torch._functorch.aot_autograd import make_boxed_func
+from torch.utils._ordered_set import OrderedSet
 
 PartitionFn = Callable[..., tuple[torch.fx.GraphModule, torch.fx.GraphModule]]
 
@@ -150,13 +152,51 @@ def _counting_saved_values(num_fwd_outputs: int, stop: bool) -> Iterator[list[in
         yield counted
 
 
+# A min cut as remembered: the names of the saved values and of the nodes banned from recomputation.
+MinCuts = dict[tuple, tuple[list[str], list[str]]]
+
+
+@contextlib.contextmanager
+def _remembering_min_cuts(min_cuts: MinCuts) -> Iterator[None]:
+    """Inside, the partitioner's min cuts on this thread are solved once per graph and options
+    (kept in `min_cuts`, by node name: each partition gets a copy of the joint graph). A
+    budget between 0 and 1 solves up to three min cuts (default, more and fully aggressive
+    recomputation) that do not depend on the budget, before the knapsack that does; they were
+    two thirds of a bisection partition of sd-scripts' SDXL U-Net (CPU profile, torch 2.14).
+    Called so, with these arguments, in torch 2.11 to 2.14."""
+    solve = partitioners.solve_min_cut
+    thread = threading.get_ident()
+
+    def remembered(joint_graph: torch.fx.Graph, node_info: Any, min_cut_options: Any, dont_ban: Any = None) -> Any:
+        if threading.get_ident() != thread:  # another thread's compile: as it is
+            return solve(joint_graph, node_info, min_cut_options, dont_ban)
+        key = (astuple(min_cut_options), frozenset(node.name for node in dont_ban or ()))
+        if key not in min_cuts:
+            saved, banned = solve(joint_graph, node_info, min_cut_options, dont_ban)
+            min_cuts[key] = ([node.name for node in saved], [node.name for node in banned])
+        nodes = {node.name: node for node in joint_graph.nodes}
+        saved, banned = min_cuts[key]
+        return [nodes[name] for name in saved], OrderedSet(nodes[name] for name in banned)
+
+    with mock.patch.object(partitioners, "solve_min_cut", remembered):
+        yield
+
+
 def partition_saved_bytes(
-    joint: torch.fx.GraphModule, joint_inputs: Any, budget: float, **partition_kwargs: Any
+    joint: torch.fx.GraphModule,
+    joint_inputs: Any,
+    budget: float,
+    min_cuts: MinCuts | None = None,
+    **partition_kwargs: Any,
 ) -> int:
     """What the min-cut partition of `joint` (left as it is) at `budget` saves for the backward,
-    as the partitioner chose it (stopped there: the two graphs are not built)."""
+    as the partitioner chose it (stopped there: the two graphs are not built). `min_cuts`: the
+    min cuts of earlier partitions of `joint`, used and added to (_remembering_min_cuts)."""
     with torch._functorch.config.patch(activation_memory_budget=budget):
-        with _counting_saved_values(partition_kwargs["num_fwd_outputs"], stop=True) as counted:
+        with (
+            _counting_saved_values(partition_kwargs["num_fwd_outputs"], stop=True) as counted,
+            _remembering_min_cuts({} if min_cuts is None else min_cuts),
+        ):
             try:
                 partitioners.min_cut_rematerialization_partition(
                     copy.deepcopy(joint), joint_inputs, compiler="inductor", **partition_kwargs
@@ -175,6 +215,7 @@ class GraphRecord:
     joint_inputs: Any
     partition_kwargs: dict[str, Any]
     saved_bytes: dict[float, int] = field(default_factory=dict)
+    min_cuts: MinCuts = field(default_factory=dict)  # solved by its partitions so far
     calls: int = 0
 
 
@@ -230,7 +271,7 @@ class SavedBytesEstimate:
     def _saved(self, graph: GraphRecord, budget: float) -> int:
         if budget not in graph.saved_bytes:
             graph.saved_bytes[budget] = partition_saved_bytes(
-                graph.joint, graph.joint_inputs, budget, **graph.partition_kwargs
+                graph.joint, graph.joint_inputs, budget, graph.min_cuts, **graph.partition_kwargs
             )
         return graph.saved_bytes[budget]
 

@@ -163,9 +163,9 @@ def test_predicted_peaks_are_what_each_budget_saves(monkeypatch) -> None:
     partitioned: list[float] = []
     real_partition = saved_bytes.partition_saved_bytes
 
-    def partition(joint, joint_inputs, budget, **kwargs):
+    def partition(joint, joint_inputs, budget, *args, **kwargs):
         partitioned.append(budget)
-        return real_partition(joint, joint_inputs, budget, **kwargs)
+        return real_partition(joint, joint_inputs, budget, *args, **kwargs)
 
     monkeypatch.setattr(saved_bytes, "partition_saved_bytes", partition)
     predictions = []
@@ -218,10 +218,11 @@ def test_bisection_predicts_the_largest_fitting_and_the_next_larger_with_few_par
     assert len(asked) == len(set(asked)) <= 4  # the lowest, then at most three of the five others
 
 
-def test_a_partition_stopped_at_its_choice_counts_what_the_whole_partition_saves() -> None:
+def test_a_partition_stopped_at_its_choice_counts_what_the_whole_partition_saves(monkeypatch) -> None:
     """Partitions for a prediction stop once the partitioner chose what to save: for every budget
     and traced graph, the bytes that the whole partition's forward graph saves (its outputs after
-    the forward's own, storages not among its inputs and outputs)."""
+    the forward's own, storages not among its inputs and outputs). With the graph's min cuts
+    remembered across budgets: the same bytes, and each min cut solved once."""
     model, _ = _model()
     acceleration = _auto(model, 1.0, [])
     real_predict = acceleration.auto_budget._predict
@@ -235,12 +236,28 @@ def test_a_partition_stopped_at_its_choice_counts_what_the_whole_partition_saves
         lora_step(model, [], inputs_for(model))
     graphs = acceleration.auto_budget._estimate.graphs
     assert graphs
+    solved = []
+    solve = saved_bytes.partitioners.solve_min_cut
+
+    def counted_solve(joint_graph, node_info, min_cut_options, dont_ban=None):
+        solved.append((min_cut_options, dont_ban))
+        return solve(joint_graph, node_info, min_cut_options, dont_ban)
+
+    monkeypatch.setattr(saved_bytes.partitioners, "solve_min_cut", counted_solve)
     for graph in graphs:
-        stopped, whole = {}, {}
+        stopped, whole, remembered, min_cuts = {}, {}, {}, {}
         for budget in CANDIDATES:
             stopped[budget] = saved_bytes.partition_saved_bytes(
                 graph.joint, graph.joint_inputs, budget, **graph.partition_kwargs
             )
+        fresh, solved[:] = len(solved), []
+        for budget in CANDIDATES:
+            remembered[budget] = saved_bytes.partition_saved_bytes(
+                graph.joint, graph.joint_inputs, budget, min_cuts, **graph.partition_kwargs
+            )
+        assert remembered == stopped
+        assert len(solved) == len(min_cuts) < fresh  # each once, where each budget solved its own
+        for budget in CANDIDATES:
             with torch._functorch.config.patch(activation_memory_budget=budget):
                 forward, _ = saved_bytes.partitioners.min_cut_rematerialization_partition(
                     copy.deepcopy(graph.joint), graph.joint_inputs, compiler="inductor", **graph.partition_kwargs

@@ -28,6 +28,7 @@ from torch import nn
 
 import compile_accel
 from compile_accel import CompileConfig, compile_workers
+from compile_accel.backend import RegionBackend
 from compile_accel.compile_workers import WorkerGraph
 from compile_accel.stats import Stats
 
@@ -313,9 +314,10 @@ def test_auto_trains_on_while_a_candidates_graphs_compile_and_measures_it_once_t
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """activation_memory_budget="auto" with workers: the first step predicts and hands the
-    candidate over without waiting for it; graphs back are held uncompiled (also through a step
-    while one of them is still out) until a training step's calibration runs and measures
-    them. Every step trains as eager does."""
+    candidate over without waiting for it, the traced step's own graphs (dynamo traces the
+    step once); graphs back are held uncompiled (also through a step while one of them is still
+    out) until a training step's calibration runs and measures them. Every step trains as eager
+    does."""
     from torch._inductor.utils import clear_caches
 
     monkeypatch.setenv("COMPILE_ACCEL_CACHE_DIR", str(tmp_path / "compile_accel"))  # no cached choice
@@ -325,7 +327,9 @@ def test_auto_trains_on_while_a_candidates_graphs_compile_and_measures_it_once_t
     auto = acceleration.auto_budget
     auto.candidates = (0.0, 0.5)  # 0.5 predicted to fit 64 GiB: the one handed over
     gate = compile_workers._pool = _GatedPool(compile_workers._pool)
-    errors = []
+    errors, traced = [], []
+    trace = RegionBackend.__call__
+    monkeypatch.setattr(RegionBackend, "__call__", lambda self, gm, inputs: traced.append(gm) or trace(self, gm, inputs))
 
     def train() -> None:
         inputs = inputs_for(model)
@@ -354,6 +358,7 @@ def test_auto_trains_on_while_a_candidates_graphs_compile_and_measures_it_once_t
     assert compile_workers._held == set() and auto.checking is None
     stats = acceleration.stats()
     assert stats["worker_graphs_compiled"] == started and stats["worker_failures"] == [] and stats["recompiles"] == 0
+    assert len(traced) == started  # each graph traced once by dynamo: the traced step's, handed over
     train()
     assert max(errors) < TOLERANCE, errors
     acceleration.remove()
