@@ -182,6 +182,7 @@ class RegionBackend:
     ) -> None:
         # With an estimate: traced for auto's calibration, without inductor (compile_accel.saved_bytes).
         self.estimating = estimate is not None
+        self._estimate = estimate
         self.inner = _inner_backend(config) if estimate is None else estimate.backend()
         self.budget = budget
         self.stats = stats
@@ -265,9 +266,17 @@ class RegionBackend:
                     checkpointed=self.budget is not None,
                 )
         elif self.traced is not None:
-            # Packed before the trace (inductor's passes may rewrite gm), for `adopt`.
+            # Packed before the trace (inductor's passes may rewrite gm), for `adopt`, and
+            # partitioned at every candidate in a worker meanwhile (compile_accel.saved_bytes).
             traced = compile_workers.pack_traced(gm, example_inputs, label)
+            partitions = None
+            if traced is not None:
+                with self._settings():  # the worker traces under them
+                    partitions = compile_workers.run_in_worker(traced, self._estimate.in_worker())
+            records = len(self._estimate.graphs)
             compiled = self._compile_here(gm, example_inputs)
+            if len(self._estimate.graphs) > records:  # a training graph
+                self._estimate.graphs[-1].in_worker = partitions
             if traced is None:
                 self.traced = None  # the picked budget traces the step again
             else:

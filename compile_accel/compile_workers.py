@@ -556,9 +556,10 @@ def _cache_env() -> dict[str, str]:
 
 @dataclass
 class TracedGraph:
-    """A graph dynamo traced, packed for a worker at its trace (`pack_traced`) and handed to one
-    later (`hand_over`): auto's traced step (compile_accel.saved_bytes) runs it uncompiled, and
-    the budget auto then picks compiles it without dynamo tracing it again."""
+    """A graph dynamo traced, packed for a worker at its trace (`pack_traced`): auto's traced
+    step (compile_accel.saved_bytes) runs it uncompiled while a worker partitions it at every
+    candidate (`run_in_worker`), and the budget auto then picks compiles it in a worker
+    (`hand_over`) without dynamo tracing it again."""
 
     gm: torch.fx.GraphModule
     packed: bytes
@@ -575,16 +576,27 @@ def pack_traced(gm: torch.fx.GraphModule, example_inputs: list[Any], label: str)
     return None if isinstance(packed, str) else TracedGraph(gm, packed, _runtime_state(), label)
 
 
+def _submitted(job: Callable, graph: TracedGraph, compiler: Callable) -> concurrent.futures.Future:
+    """`job` of a traced graph's compile job in a worker, under the settings in force now; a
+    future holding the error where none could take it."""
+    try:
+        return _submit(job, _job(graph.packed, compiler, graph.state), _cache_env())
+    except Exception as error:  # a setting that does not pickle; no pool could start
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_exception(error)
+        return future
+
+
+def run_in_worker(graph: TracedGraph, compiler: Callable) -> concurrent.futures.Future:
+    """What `compiler` returns for a traced graph (picklable), from a worker."""
+    return _submitted(_compile_job, graph, compiler)
+
+
 def hand_over(graph: TracedGraph, compiler: Callable, compile_here: Callable, stats: Stats) -> WorkerGraph:
     """A traced graph's compile under the settings in force now, handed to a worker; the graph
     runs uncompiled under a checkpoint until it is back (arguments as `compile_in_workers`). A
-    pool that cannot take it makes a graph whose worker failed: compiled at its next call."""
-    future: concurrent.futures.Future
-    try:
-        future = _submit(_compile_in_worker, _job(graph.packed, compiler, graph.state), _cache_env())
-    except Exception as error:  # a setting that does not pickle; no pool could start
-        future = concurrent.futures.Future()
-        future.set_exception(error)
+    graph no pool takes counts as one whose worker failed: compiled here at its next call."""
+    future = _submitted(_compile_in_worker, graph, compiler)
     stats.worker_graphs_started += 1
     return WorkerGraph(graph.gm, graph.packed, compile_here, future, stats, graph.label, checkpointed=True)
 

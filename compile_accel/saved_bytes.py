@@ -20,6 +20,10 @@ bisects for the largest predicted to fit; and the min cuts a partition solves be
 budget matters are solved once per graph. The traced budget's own partition is counted the
 same way, as it goes.
 
+With compile workers, each traced graph also goes to a worker as dynamo traced it, which traces
+it the same way and partitions it at every candidate while this process runs the traced step:
+the budgets asked for then read the worker's bytes (PartitionedPerBudget).
+
 The traced graphs hold the attention kernels the compiled step would run (cuDNN's, where
 torch picks it): the partitioner decides differently for them (cuDNN's attention is not among
 its compute-intensive ops, flash and efficient attention are). Traced with cuDNN's kernel
@@ -32,6 +36,7 @@ instead of compiling each candidate with inductor to find out.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import copy
 import functools
@@ -49,6 +54,8 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch import partitioners
 from torch._functorch.aot_autograd import make_boxed_func
 from torch.utils._ordered_set import OrderedSet
+
+from .stats import warn
 
 PartitionFn = Callable[..., tuple[torch.fx.GraphModule, torch.fx.GraphModule]]
 
@@ -217,6 +224,27 @@ class GraphRecord:
     saved_bytes: dict[float, int] = field(default_factory=dict)
     min_cuts: MinCuts = field(default_factory=dict)  # solved by its partitions so far
     calls: int = 0
+    # With compile workers: a worker's PartitionedPerBudget of the same graph, read in place of
+    # partitions here once a budget is asked for.
+    in_worker: concurrent.futures.Future | None = None
+
+
+@dataclass(frozen=True)
+class PartitionedPerBudget:
+    """A compile worker's job (compile_accel.compile_workers.run_in_worker): the graph traced as
+    SavedBytesEstimate traces it, then what its partition at each candidate saves. Returns
+    {budget: bytes}; {} for a graph without a backward."""
+
+    candidates: tuple[float, ...]
+    budget: float
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> dict[float, int]:
+        estimate = SavedBytesEstimate(self.candidates, self.budget)
+        estimate.backend()(gm, example_inputs)
+        if not estimate.graphs:
+            return {}
+        (graph,) = estimate.graphs
+        return {budget: estimate._saved(graph, budget) for budget in self.candidates}
 
 
 class SavedBytesEstimate:
@@ -268,7 +296,17 @@ class SavedBytesEstimate:
         self._pending = GraphRecord(joint, joint_inputs, kwargs, saved_bytes={self.budget: counted[-1]})
         return forward, backward
 
+    def in_worker(self) -> PartitionedPerBudget:
+        """What a compile worker runs for a graph this estimate traces, to partition it there."""
+        return PartitionedPerBudget(self.candidates, self.budget)
+
     def _saved(self, graph: GraphRecord, budget: float) -> int:
+        if budget not in graph.saved_bytes and graph.in_worker is not None:
+            future, graph.in_worker = graph.in_worker, None
+            try:
+                graph.saved_bytes = {**future.result(), **graph.saved_bytes}
+            except Exception as error:  # the worker's error: the same partitions, here
+                warn(f"auto: a compile worker could not partition a traced graph ({type(error).__name__}: {error}); partitioning it here")
         if budget not in graph.saved_bytes:
             graph.saved_bytes[budget] = partition_saved_bytes(
                 graph.joint, graph.joint_inputs, budget, graph.min_cuts, **graph.partition_kwargs

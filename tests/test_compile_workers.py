@@ -44,8 +44,8 @@ CONFIG = {"mode": "blocks", "activation_memory_budget": 0.5}
 
 
 class _GatedPool:
-    """The workers' pool, with every result held back until `open()`: graphs handed to the
-    workers stay uncompiled however fast the workers are."""
+    """The workers' pool, with every compile's result held back until `open()`: graphs handed to
+    the workers stay uncompiled however fast the workers are (auto's partitions come back)."""
 
     def __init__(self, pool: Any) -> None:
         self._pool = pool
@@ -63,6 +63,8 @@ class _GatedPool:
 
     def submit(self, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
         real = self._pool.submit(*args, **kwargs)
+        if args[0] is not compile_workers._compile_in_worker:
+            return real
         gated: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self._pairs.append((real, gated))
@@ -364,6 +366,45 @@ def test_auto_trains_on_while_a_candidates_graphs_compile_and_measures_it_once_t
     acceleration.remove()
     torch._dynamo.reset()
     clear_caches()
+
+
+def test_auto_partitions_each_traced_graph_in_a_worker_as_it_would_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With workers, auto's traced step hands each graph to a worker, which partitions it at
+    every candidate: the bytes each partition saves are those partitioned here, and the
+    prediction reads them without partitioning here."""
+    from compile_accel import saved_bytes
+    from compile_accel.auto_budget import CANDIDATES
+
+    monkeypatch.setenv("COMPILE_ACCEL_CACHE_DIR", str(tmp_path / "compile_accel"))
+    model, _, _, _ = _twins_compiled_in_workers(tmp_path / "inductor", monkeypatch)
+    config = CompileConfig(mode="blocks", activation_memory_budget="auto", vram_limit_gib=64.0, compile_workers=WORKERS)
+    acceleration = compile_accel.apply(model, config)
+    auto = acceleration.auto_budget
+    predict, added, partitioned_here = auto._predict, [], []
+
+    def traced_step_only(run, device, parameters, counts, limit):
+        predict(run, device, parameters, counts, limit=-1)  # the traced step alone
+        with monkeypatch.context() as patch:
+            patch.setattr(saved_bytes, "partition_saved_bytes", lambda *args, **kwargs: partitioned_here.append(args))
+            added.extend(auto._estimate.added_bytes(budget) for budget in CANDIDATES)
+        raise KeyboardInterrupt
+
+    auto.predict = traced_step_only
+    with pytest.warns(RuntimeWarning, match="calibration stopped"), pytest.raises(KeyboardInterrupt):
+        lora_step(model, [], inputs_for(model))
+    assert partitioned_here == [] and added[-1] > added[0] == 0
+    graphs = auto._estimate.graphs
+    assert graphs and all(graph.in_worker is None for graph in graphs)  # read
+    for graph in graphs:
+        here = {
+            budget: saved_bytes.partition_saved_bytes(graph.joint, graph.joint_inputs, budget, **graph.partition_kwargs)
+            for budget in CANDIDATES
+        }
+        assert graph.saved_bytes == here
+    acceleration.remove()
+    torch._dynamo.reset()
 
 
 class _FakePool:
