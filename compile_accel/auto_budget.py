@@ -587,10 +587,13 @@ class AutoBudget:
         estimate.new_step()
         predicted: dict[float, int] = {}
         try:
-            _, peak = _run_once(run, device, parameters)
+            seconds, peak = _run_once(run, device, parameters)
+            logger.info("auto: traced step in %.1f s (peak %.2f GiB); partitioning its graphs ...", seconds, peak / GIB)
+            start = time.perf_counter()
             predict_largest_fitting(
                 self.candidates, lambda budget: peak + estimate.added_bytes(budget), limit, predicted
             )
+            logger.info("auto: peaks predicted in %.1f s", time.perf_counter() - start)
         except torch.OutOfMemoryError:  # in the step: no prediction
             self._out_of_memory(device)
         return predicted

@@ -43,7 +43,7 @@ import functools
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import astuple, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 from unittest import mock
 
 import torch
@@ -189,6 +189,34 @@ def _remembering_min_cuts(min_cuts: MinCuts) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _without_python_code() -> Iterator[None]:
+    """Inside, graph modules on this thread do not generate their Python code: a partition
+    stopped at its choice never runs the joint graph, its copy or the partitioner's clean-up of
+    it, and generating their code took a sixth of a full-size SDXL graph's partitions (CPU
+    profile, torch 2.14)."""
+    recompile = torch.fx.GraphModule.recompile
+    thread = threading.get_ident()
+
+    def only_elsewhere(module: torch.fx.GraphModule) -> Any:
+        return recompile(module) if threading.get_ident() != thread else None
+
+    with mock.patch.object(torch.fx.GraphModule, "recompile", only_elsewhere):
+        yield
+
+
+def _stopped_partition(partition: PartitionFn, joint: torch.fx.GraphModule, joint_inputs: Any, budget: float, **kwargs: Any) -> int:
+    """What `partition` (the min-cut partitioner, or inductor's passes and it) of `joint` at
+    `budget` chose to save, stopped there."""
+    with torch._functorch.config.patch(activation_memory_budget=budget):
+        with _counting_saved_values(kwargs["num_fwd_outputs"], stop=True) as counted, _without_python_code():
+            try:
+                partition(joint, joint_inputs, **kwargs)
+            except _SavedValuesChosen:
+                return counted[-1]
+    raise RuntimeError("torch's min-cut partitioner returned without extracting the forward and backward graphs")
+
+
 def partition_saved_bytes(
     joint: torch.fx.GraphModule,
     joint_inputs: Any,
@@ -199,18 +227,9 @@ def partition_saved_bytes(
     """What the min-cut partition of `joint` (left as it is) at `budget` saves for the backward,
     as the partitioner chose it (stopped there: the two graphs are not built). `min_cuts`: the
     min cuts of earlier partitions of `joint`, used and added to (_remembering_min_cuts)."""
-    with torch._functorch.config.patch(activation_memory_budget=budget):
-        with (
-            _counting_saved_values(partition_kwargs["num_fwd_outputs"], stop=True) as counted,
-            _remembering_min_cuts({} if min_cuts is None else min_cuts),
-        ):
-            try:
-                partitioners.min_cut_rematerialization_partition(
-                    copy.deepcopy(joint), joint_inputs, compiler="inductor", **partition_kwargs
-                )
-            except _SavedValuesChosen:
-                return counted[-1]
-    raise RuntimeError("torch's min-cut partitioner returned without extracting the forward and backward graphs")
+    partition = functools.partial(partitioners.min_cut_rematerialization_partition, compiler="inductor")
+    with _remembering_min_cuts({} if min_cuts is None else min_cuts), _without_python_code():
+        return _stopped_partition(partition, copy.deepcopy(joint), joint_inputs, budget, **partition_kwargs)
 
 
 @dataclass
@@ -239,12 +258,36 @@ class PartitionedPerBudget:
     budget: float
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> dict[float, int]:
-        estimate = SavedBytesEstimate(self.candidates, self.budget)
-        estimate.backend()(gm, example_inputs)
-        if not estimate.graphs:
-            return {}
-        (graph,) = estimate.graphs
-        return {budget: estimate._saved(graph, budget) for budget in self.candidates}
+        from torch._inductor.compile_fx import select_decomp_table
+
+        def partition_every_budget(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> NoReturn:
+            # As SavedBytesEstimate partitions a traced graph (inductor's joint-graph passes, then
+            # the traced budget), stopped at the choice; then the other budgets on copies.
+            saved = {self.budget: _stopped_partition(_inductor_partition(), joint, joint_inputs, self.budget, **kwargs)}
+            min_cuts: MinCuts = {}
+            for budget in self.candidates:
+                if budget not in saved:
+                    saved[budget] = partition_saved_bytes(joint, joint_inputs, budget, min_cuts, **kwargs)
+            raise _EveryBudgetPartitioned(saved)
+
+        trace = aot_autograd(
+            fw_compiler=lambda gm, example_inputs: make_boxed_func(gm.forward),  # (a graph without backward)
+            partition_fn=partition_every_budget,
+            decompositions=select_decomp_table(),
+        )
+        try:
+            trace(gm, example_inputs)
+        except _EveryBudgetPartitioned as partitioned:
+            return partitioned.saved
+        return {}
+
+
+class _EveryBudgetPartitioned(BaseException):
+    """Ends AOTAutograd's trace once every budget is partitioned (not an Exception: nothing on the
+    way takes it for a failure)."""
+
+    def __init__(self, saved: dict[float, int]) -> None:
+        self.saved = saved
 
 
 class SavedBytesEstimate:
