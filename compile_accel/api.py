@@ -300,9 +300,11 @@ def _compile_blocks(
         acceleration.on_remove(hook.remove)
     if config.activation_memory_budget == "auto":
 
-        def set_budget(budget: float, counts: Stats, estimate: SavedBytesEstimate | None = None) -> None:
+        def set_budget(
+            budget: float, counts: Stats, estimate: SavedBytesEstimate | None = None, adopt: bool = False
+        ) -> None:
             for fn in shared.values():
-                fn.use_budget(budget, counts, estimate)
+                fn.use_budget(budget, counts, estimate, adopt)
 
         blocks = [block for block_list in block_lists for block in block_list.blocks]
 

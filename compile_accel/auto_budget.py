@@ -301,9 +301,10 @@ class _Search:
 class AutoBudget:
     """Forward pre-hook on the model root that calibrates once, from the first training call.
 
-    `set_budget(budget, stats, estimate=None)` switches every compiled region of the
+    `set_budget(budget, stats, estimate=None, adopt=False)` switches every compiled region of the
     Acceleration to a budget, counting into `stats` (with `estimate`: traced for it, without
-    inductor). `find_ladder(device)` returns the offload ladder to climb when nothing fits
+    inductor; with `adopt`: compiled from the traced step's graphs in the compile workers, where
+    they were packed for them, RegionBackend.adopt). `find_ladder(device)` returns the offload ladder to climb when nothing fits
     (None: there is none); it is asked at calibration, so an offloader set up after apply()
     counts. `measure`, `predict`, `candidates` (the budgets, ascending) and `compiling` (how
     many graphs counting into a Stats are still in the compile workers) are replaceable for
@@ -555,7 +556,9 @@ class AutoBudget:
                     from torch._inductor.cudagraph_trees import reset_cudagraph_trees
 
                     reset_cudagraph_trees()  # free the pools of the candidate measured before
-                self.set_budget(budget, counts[-1])  # may hand the traced step's graphs to the compile workers
+                # The traced step's graphs, handed to the compile workers where they can go; not
+                # with a ladder, whose next rung's prediction runs the traced graphs again.
+                self.set_budget(budget, counts[-1], adopt=search.ladder is None)
                 if not counts[-1].worker_graphs_started:
                     search.run()  # compiles the budget's graphs, or hands them to the compile workers
                 if counts[-1].worker_graphs_started:

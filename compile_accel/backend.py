@@ -211,10 +211,12 @@ class RegionBackend:
         if not self.traced:
             return False
         self.estimating = False
+        self._estimate = None  # (its joint graphs stay with auto, not with every compiled function)
         self.inner = _inner_backend(self._config)
         self.budget = budget
         self._aot_settings["activation_memory_budget"] = budget
         self.in_workers = True
+        stats.signatures |= self.stats.signatures  # a graph traced again counts as a recompile
         self.stats = stats
         with self._settings():  # the workers compile under them
             for graph, call in self.traced:

@@ -68,13 +68,16 @@ class CompiledFunction:
         if code is not None:
             RECOMPILE_LIMIT_WATCHER.listen(self, code, self._on_recompile_limit)
 
-    def use_budget(self, budget: float | None, stats: Stats, estimate: SavedBytesEstimate | None = None) -> None:
+    def use_budget(
+        self, budget: float | None, stats: Stats, estimate: SavedBytesEstimate | None = None, adopt: bool = False
+    ) -> None:
         """Compile with `budget` from now on, counting into `stats` (with `estimate`: traced for it,
         without inductor). Each budget keeps its own backend and torch.compile wrapper: the
         backend is part of dynamo's guards, so going back to a budget reuses the graphs compiled
-        for it."""
+        for it. `adopt`: a budget set right after auto's traced step (with compile workers) takes
+        that step's backend and wrapper over (RegionBackend.adopt): its graphs are not traced again."""
         key = (budget, estimate)
-        if key not in self._by_budget and self._by_budget and estimate is None and self.backend.adopt(budget, stats):
+        if adopt and key not in self._by_budget and self.backend.adopt(budget, stats):
             # auto's traced graphs, handed to the compile workers at the budget it picked
             traced = next(k for k, (backend, _) in self._by_budget.items() if backend is self.backend)
             self._by_budget[key] = self._by_budget.pop(traced)

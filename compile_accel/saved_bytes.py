@@ -21,8 +21,8 @@ budget matters are solved once per graph. The traced budget's own partition is c
 same way, as it goes.
 
 With compile workers, each traced graph also goes to a worker as dynamo traced it, which traces
-it the same way and partitions it at every candidate while this process runs the traced step:
-the budgets asked for then read the worker's bytes (PartitionedPerBudget).
+and partitions it the same way, then at every other candidate, while this process runs the traced
+step: the budgets asked for then read the worker's bytes (PartitionedPerBudget).
 
 The traced graphs hold the attention kernels the compiled step would run (cuDNN's, where
 torch picks it): the partitioner decides differently for them (cuDNN's attention is not among
@@ -205,18 +205,6 @@ def _without_python_code() -> Iterator[None]:
         yield
 
 
-def _stopped_partition(partition: PartitionFn, joint: torch.fx.GraphModule, joint_inputs: Any, budget: float, **kwargs: Any) -> int:
-    """What `partition` (the min-cut partitioner, or inductor's passes and it) of `joint` at
-    `budget` chose to save, stopped there."""
-    with torch._functorch.config.patch(activation_memory_budget=budget):
-        with _counting_saved_values(kwargs["num_fwd_outputs"], stop=True) as counted, _without_python_code():
-            try:
-                partition(joint, joint_inputs, **kwargs)
-            except _SavedValuesChosen:
-                return counted[-1]
-    raise RuntimeError("torch's min-cut partitioner returned without extracting the forward and backward graphs")
-
-
 def partition_saved_bytes(
     joint: torch.fx.GraphModule,
     joint_inputs: Any,
@@ -227,9 +215,20 @@ def partition_saved_bytes(
     """What the min-cut partition of `joint` (left as it is) at `budget` saves for the backward,
     as the partitioner chose it (stopped there: the two graphs are not built). `min_cuts`: the
     min cuts of earlier partitions of `joint`, used and added to (_remembering_min_cuts)."""
-    partition = functools.partial(partitioners.min_cut_rematerialization_partition, compiler="inductor")
-    with _remembering_min_cuts({} if min_cuts is None else min_cuts), _without_python_code():
-        return _stopped_partition(partition, copy.deepcopy(joint), joint_inputs, budget, **partition_kwargs)
+    with torch._functorch.config.patch(activation_memory_budget=budget):
+        # The lock (_counting_saved_values) first: the other patches go on and off under it.
+        with (
+            _counting_saved_values(partition_kwargs["num_fwd_outputs"], stop=True) as counted,
+            _remembering_min_cuts({} if min_cuts is None else min_cuts),
+            _without_python_code(),
+        ):
+            try:
+                partitioners.min_cut_rematerialization_partition(
+                    copy.deepcopy(joint), joint_inputs, compiler="inductor", **partition_kwargs
+                )
+            except _SavedValuesChosen:
+                return counted[-1]
+    raise RuntimeError("torch's min-cut partitioner returned without extracting the forward and backward graphs")
 
 
 @dataclass
@@ -248,6 +247,11 @@ class GraphRecord:
     in_worker: concurrent.futures.Future | None = None
 
 
+# How long the prediction waits for a worker's partitions of a graph before partitioning it here
+# (sd-scripts' SDXL U-Net's largest graph: ~25 s in a worker on an H200's host).
+WORKER_PARTITIONS_TIMEOUT_SECONDS = 120.0
+
+
 @dataclass(frozen=True)
 class PartitionedPerBudget:
     """A compile worker's job (compile_accel.compile_workers.run_in_worker): the graph traced as
@@ -261,14 +265,12 @@ class PartitionedPerBudget:
         from torch._inductor.compile_fx import select_decomp_table
 
         def partition_every_budget(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> NoReturn:
-            # As SavedBytesEstimate partitions a traced graph (inductor's joint-graph passes, then
-            # the traced budget), stopped at the choice; then the other budgets on copies.
-            saved = {self.budget: _stopped_partition(_inductor_partition(), joint, joint_inputs, self.budget, **kwargs)}
-            min_cuts: MinCuts = {}
-            for budget in self.candidates:
-                if budget not in saved:
-                    saved[budget] = partition_saved_bytes(joint, joint_inputs, budget, min_cuts, **kwargs)
-            raise _EveryBudgetPartitioned(saved)
+            # As the traced step partitions it here (whole: inductor's joint-graph passes may
+            # trace and partition graphs of their own on the way), then every other budget.
+            estimate = SavedBytesEstimate(self.candidates, self.budget)
+            estimate._partition_traced(joint, joint_inputs, **kwargs)
+            graph = estimate._pending
+            raise _EveryBudgetPartitioned({budget: estimate._saved(graph, budget) for budget in self.candidates})
 
         trace = aot_autograd(
             fw_compiler=lambda gm, example_inputs: make_boxed_func(gm.forward),  # (a graph without backward)
@@ -347,9 +349,12 @@ class SavedBytesEstimate:
         if budget not in graph.saved_bytes and graph.in_worker is not None:
             future, graph.in_worker = graph.in_worker, None
             try:
-                graph.saved_bytes = {**future.result(), **graph.saved_bytes}
-            except Exception as error:  # the worker's error: the same partitions, here
-                warn(f"auto: a compile worker could not partition a traced graph ({type(error).__name__}: {error}); partitioning it here")
+                from_worker = future.result(timeout=WORKER_PARTITIONS_TIMEOUT_SECONDS)
+                if not from_worker:
+                    raise RuntimeError("the worker traced it without a backward")
+                graph.saved_bytes = {**from_worker, **graph.saved_bytes}
+            except Exception as error:  # the worker's error, or a worker stuck: the same partitions, here
+                warn(f"auto: a compile worker did not partition a traced graph ({type(error).__name__}: {error}); partitioning it here")
         if budget not in graph.saved_bytes:
             graph.saved_bytes[budget] = partition_saved_bytes(
                 graph.joint, graph.joint_inputs, budget, graph.min_cuts, **graph.partition_kwargs

@@ -25,6 +25,7 @@ from compile_accel.auto_budget import (
     predict_largest_fitting,
 )
 from compile_accel.memory import SavedActivationMeter
+from compile_accel.saved_bytes import SavedBytesEstimate
 from compile_accel.stats import Stats
 
 # The min-cut partitioner with the budget, without inductor's code generation: calibration
@@ -271,6 +272,28 @@ def test_a_partition_stopped_at_its_choice_counts_what_the_whole_partition_saves
     acceleration.remove()
 
 
+class _ManualAttention(torch.nn.Module):
+    """Attention written out, which inductor's joint-graph passes fuse: a pattern that traces a
+    forward and backward of its own while the graph is partitioned."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor]:
+        return (torch.matmul(q, k.transpose(-2, -1)).div(8.0).softmax(dim=-1).matmul(v),)  # (as dynamo's graphs return)
+
+
+def test_a_workers_partitions_of_a_traced_graph_are_those_made_here() -> None:
+    """What a compile worker runs (PartitionedPerBudget) counts, per candidate, the bytes that
+    the traced step's partition and the later ones here count, also for a graph whose joint-graph
+    passes trace graphs of their own (written-out attention)."""
+    gm = torch.fx.symbolic_trace(_ManualAttention())
+    inputs = [torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(3)]
+    estimate = SavedBytesEstimate(CANDIDATES, CANDIDATES[0])
+    estimate.backend()(copy.deepcopy(gm), inputs)
+    (graph,) = estimate.graphs
+    here = {budget: estimate._saved(graph, budget) for budget in CANDIDATES}
+    assert here[1.0] > 0  # a budget saves something: the test can tell them apart
+    assert saved_bytes.PartitionedPerBudget(CANDIDATES, CANDIDATES[0])(copy.deepcopy(gm), inputs) == here
+
+
 def test_cudnn_attention_backward_gets_its_gradient_laid_out_as_the_output() -> None:
     """The traced step's uncompiled backward gives cuDNN's attention backward the output's
     gradient in the output's strides (as inductor does), with its values; other calls unchanged."""
@@ -418,7 +441,7 @@ class FakeTraining:
         self.auto.measure = self._measure
         self.auto.predict = self._predict
 
-    def _set_budget(self, budget: float, stats: Stats) -> None:
+    def _set_budget(self, budget: float, stats: Stats, adopt: bool = False) -> None:
         self.budget = budget
 
     def _set_level(self, level: float) -> None:
@@ -508,7 +531,7 @@ class FakeWorkers:
         self.stats: Stats | None = None  # what the graph in the workers counts into
         set_budget, measure = training._set_budget, training.auto.measure
 
-        def set_budget_in_workers(budget: float, stats: Stats) -> None:
+        def set_budget_in_workers(budget: float, stats: Stats, adopt: bool = False) -> None:
             set_budget(budget, stats)
             stats.worker_graphs_started += 1
             self.left, self.stats = self.steps, stats
