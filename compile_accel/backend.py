@@ -274,7 +274,7 @@ class RegionBackend:
             partitions = None
             if traced is not None:
                 with self._settings():  # the worker traces under them
-                    partitions = compile_workers.run_in_worker(traced, self._estimate.in_worker())
+                    partitions = compile_workers.run_in_worker(traced, self._estimate.worker_job())
             records = len(self._estimate.graphs)
             compiled = self._compile_here(gm, example_inputs)
             if len(self._estimate.graphs) > records:  # a training graph

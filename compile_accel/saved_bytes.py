@@ -341,7 +341,7 @@ class SavedBytesEstimate:
         self._pending = GraphRecord(joint, joint_inputs, kwargs, saved_bytes={self.budget: counted[-1]})
         return forward, backward
 
-    def in_worker(self) -> PartitionedPerBudget:
+    def worker_job(self) -> PartitionedPerBudget:
         """What a compile worker runs for a graph this estimate traces, to partition it there."""
         return PartitionedPerBudget(self.candidates, self.budget)
 
