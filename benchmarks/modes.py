@@ -13,8 +13,8 @@ CUDA_GRAPHS = "+cudagraphs"  # compile_mode="reduce-overhead": each compiled gra
 
 MODES_HELP = (
     "eager, eager+ckpt, whole+ckpt, selective+ckpt, blocks+ckpt, blocks+budget=B, blocks+auto; each optionally "
-    "followed by +offload=F[+act][+int8], +ddp=N or +split=N; blocks+budget=B or blocks+auto alone optionally "
-    "followed by +cudagraphs"
+    "followed by +offload=F[+act][+int8], +ddp=N or +split=N; blocks+budget=B, blocks+auto or selective+ckpt alone "
+    "optionally followed by +cudagraphs"
 )
 
 # With no --modes: the library's main job (docs/bench.md), eager+ckpt first as the baseline of the "vs" column.
@@ -71,7 +71,10 @@ def parse_mode(spec: str) -> ModeSpec:
         moved_by = "+offload" if offload else next((f"+{key}" for key in counts), None)
         refusal = cuda_graph_refusal(mode.config, moved_by)
         if refusal:
-            raise ValueError(f"mode {spec!r}: {CUDA_GRAPHS} goes after blocks+budget=B or blocks+auto alone: {refusal}")
+            raise ValueError(
+                f"mode {spec!r}: {CUDA_GRAPHS} goes after blocks+budget=B, blocks+auto or selective+ckpt alone: "
+                f"{refusal}"
+            )
         mode.config.compile_mode = "reduce-overhead"
     if offload:
         mode.offload = _parse_offload(spec, offload)

@@ -323,14 +323,17 @@ def _compile_blocks(
             cuda_graphs=config.compile_mode in CUDA_GRAPH_MODES,
         )
         acceleration.on_remove(acceleration.auto_budget.remove)
-    acceleration.on_remove(_watch_uncalled_regions(model, regions, stats).remove)
+    acceleration.on_remove(_check_first_forward(model, config, regions, stats).remove)
     model.__dict__[_MARK] = acceleration
     return acceleration
 
 
-def _watch_uncalled_regions(model: nn.Module, regions: list[Region], stats: Stats) -> RemovableHandle:
-    """After the model's first forward, regions never called (the model reaches those modules
-    other than through their forward, so they compile nothing) are listed and warned about once."""
+def _check_first_forward(
+    model: nn.Module, config: CompileConfig, regions: list[Region], stats: Stats
+) -> RemovableHandle:
+    """After the model's first forward, warned about once: regions never called (the model reaches
+    those modules other than through their forward, so they compile nothing), listed; and
+    selective mode's CUDA graphs where no graph ran without grad (nothing was recorded)."""
 
     def hook(module: nn.Module, args: tuple, output: Any) -> None:
         handle.remove()
@@ -341,6 +344,14 @@ def _watch_uncalled_regions(model: nn.Module, regions: list[Region], stats: Stat
                 f"{len(uncalled)} of {len(regions)} regions were not called in the model's first forward "
                 f"({', '.join(uncalled[:3])}{', ...' if len(uncalled) > 3 else ''}): the model uses them other "
                 "than through forward, so nothing of theirs is compiled. mode='blocks' compiles whole blocks"
+            )
+        recording = config.mode == "selective" and config.compile_mode in CUDA_GRAPH_MODES
+        if recording and stats.graphs and not stats.cuda_graph_graphs:
+            warn(
+                f"compile_mode={config.compile_mode!r} in selective mode records only graphs run without grad "
+                "(the forward of a block under a reentrant checkpoint), and every graph of this model's first "
+                "forward ran with grad: nothing replays as a CUDA graph. For CUDA graphs here use mode='blocks' "
+                "with an activation memory budget"
             )
 
     handle = model.register_forward_hook(hook)

@@ -24,8 +24,9 @@ A torch without the knob keeps the lazy compile.
 
 from __future__ import annotations
 
-import threading
 import contextlib
+import functools
+import threading
 from typing import Any, Callable
 
 import torch
@@ -35,7 +36,7 @@ import torch.utils._pytree as pytree
 
 from . import compile_workers
 from .attention import rewrite_attention
-from .config import CompileConfig
+from .config import CUDA_GRAPH_MODES, WITHOUT_CUDA_GRAPHS, CompileConfig
 from .dynamo_settings import HAS_EAGER_BACKWARD_KNOB
 from .saved_bytes import SavedBytesEstimate
 from .stats import Stats
@@ -108,10 +109,29 @@ def _has_checkpoint(gm: torch.fx.GraphModule) -> bool:
     )
 
 
-def _inner_backend(config: CompileConfig) -> Callable:
-    if config.backend == "inductor" and config.compile_mode is not None:
-        return torch._TorchCompileInductorWrapper(config.compile_mode, None, config.compile_dynamic)
+def _inner_backend(config: CompileConfig, cuda_graphs: bool = True) -> Callable:
+    """The compiler of a region's graphs; `cuda_graphs=False`: config.compile_mode without its
+    CUDA graphs."""
+    mode = config.compile_mode
+    if not cuda_graphs and mode in CUDA_GRAPH_MODES:
+        mode = WITHOUT_CUDA_GRAPHS[mode]
+    if config.backend == "inductor" and mode is not None:
+        return torch._TorchCompileInductorWrapper(mode, None, config.compile_dynamic)
     return torch._dynamo.lookup_backend(config.backend)
+
+
+def _outputs_copied(compiled: Callable) -> Callable:
+    """`compiled` (a graph replayed as a CUDA graph), its outputs copied out of the graphs' pool.
+    Selective mode records only graphs run without grad: a reentrant checkpoint's first forward,
+    which keeps each block's output (the next block's input) for its recompute in the backward.
+    A tensor in the pool may be overwritten by a later replay; a copy (one kernel per output)
+    is the block's own."""
+
+    def run(*args: Any) -> Any:
+        return pytree.tree_map_only(torch.Tensor, torch.clone, compiled(*args))
+
+    run._boxed_call = getattr(compiled, "_boxed_call", False)
+    return run
 
 
 def start_compile_workers() -> None:
@@ -184,6 +204,16 @@ class RegionBackend:
         self.estimating = estimate is not None
         self._estimate = estimate
         self.inner = _inner_backend(config) if estimate is None else estimate.backend()
+        # Selective mode with CUDA graphs records only the graphs compiled without grad
+        # (_outputs_copied); these compile without. Under a trainer's checkpoint, graphs recorded
+        # with grad replay in its recompute inside the backward, where a later replay overwrote
+        # outputs the backward still read (sd-scripts' SDXL, torch 2.11, twice:
+        # benchmarks/results/h200_selective_cuda_graphs/).
+        self._with_grad_inner = (
+            _inner_backend(config, cuda_graphs=False)
+            if config.mode == "selective" and config.compile_mode in CUDA_GRAPH_MODES
+            else None
+        )
         self.budget = budget
         self.stats = stats
         self.saw_checkpoint = False
@@ -221,6 +251,8 @@ class RegionBackend:
         with self._settings():  # the workers compile under them
             for graph, call in self.traced:
                 call.target = compile_workers.hand_over(graph, self.inner, self._compile_here, stats)
+        if self._config.compile_mode in CUDA_GRAPH_MODES:
+            stats.cuda_graph_graphs += len(self.traced)
         self.traced = None
         return True
 
@@ -230,9 +262,19 @@ class RegionBackend:
         stack.enter_context(torch._inductor.config.patch(self._inductor_settings))
         return stack
 
-    def _compile_here(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
+    def _compile_here(
+        self, gm: torch.fx.GraphModule, example_inputs: list[Any], inner: Callable | None = None
+    ) -> Callable:
         with self._settings():
-            return self.inner(gm, example_inputs)
+            return (inner or self.inner)(gm, example_inputs)
+
+    def _inner_now(self) -> tuple[Callable, bool]:
+        """The compiler for a graph dynamo hands over now, and whether it records CUDA graphs."""
+        if self.estimating or self._config.compile_mode not in CUDA_GRAPH_MODES:
+            return self.inner, False
+        if self._with_grad_inner is not None and torch.is_grad_enabled():
+            return self._with_grad_inner, False
+        return self.inner, True
 
     def for_precompile(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         """This backend as torch's aot_compile calls it (compile_accel.precompile): the same
@@ -255,13 +297,15 @@ class RegionBackend:
         signature = _signature(gm)
         label = f"graph {torch._guards.CompileContext.current_compile_id()}"
         rewrite_attention(gm)
+        inner, cuda_graphs = self._inner_now()
+        compile_here = functools.partial(self._compile_here, inner=inner)
         if self.in_workers:
             with self._settings():  # in force while handing over: the worker compiles with them
                 compiled = compile_workers.compile_in_workers(
                     gm,
                     example_inputs,
-                    self.inner,
-                    self._compile_here,
+                    inner,
+                    compile_here,
                     self.stats,
                     label,
                     # The budget replaced the block's checkpointing: until compiled, checkpoint it.
@@ -285,9 +329,12 @@ class RegionBackend:
                 compiled = _Replaceable(compiled)
                 self.traced.append((traced, compiled))
         else:
-            compiled = self._compile_here(gm, example_inputs)
+            compiled = compile_here(gm, example_inputs)
+        if cuda_graphs and self._with_grad_inner is not None:
+            compiled = _outputs_copied(compiled)
         compiled = flagged(compiled)
         # Counted once compiled: a compile that raised (or a Ctrl-C) made no graph, and the
         # retry of the same graph is no recompile.
         self.stats.record_graph(signature)
+        self.stats.cuda_graph_graphs += cuda_graphs
         return compiled

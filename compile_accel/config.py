@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 MODES = ("off", "selective", "blocks")
 INDUCTOR_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # inductor's modes that turn its CUDA graphs on
+WITHOUT_CUDA_GRAPHS = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
 
 
 def _is_number(value: object) -> bool:
@@ -39,11 +40,13 @@ class CompileConfig:
         "max-autotune-no-cudagraphs"); inductor only. "reduce-overhead" replays each compiled
         graph as a CUDA graph: one launch instead of hundreds, for steps bound by kernel launches
         (sd-scripts' SDXL with LoRA: ~14,000 a step). A CUDA graph records its inputs' addresses:
-        blocks whose weights move (offloading, block swap) record again at every move. Under a
-        checkpoint of the model's own (selective mode keeps them) sd-scripts' SDXL failed in the
-        recompute (outputs a later replay had overwritten, torch 2.11): use it with a budget
-        (with "auto", calibration reads reserved memory, which holds the graphs' pools, and
-        never offloads).
+        blocks whose weights move (offloading, block swap) record again at every move. Use it
+        with a budget (with "auto", calibration reads reserved memory, which holds the graphs'
+        pools, and never offloads). In selective mode only the graphs run without grad are
+        recorded, their outputs copied out: the first forward of a block under a reentrant
+        checkpoint (sd-scripts' SDXL); its recompute and backward run compiled without. Graphs
+        recorded under the model's own checkpoint with grad failed in the recompute (outputs a
+        later replay had overwritten, sd-scripts' SDXL, torch 2.11).
     fullgraph: refuse graph breaks inside a region (they become compile errors, and the
         region falls back to eager with a warning).
     recompile_limit: graphs dynamo may compile per region function before it gives up;
@@ -150,12 +153,13 @@ def cuda_graph_refusal(config: CompileConfig, moved_by: str | None) -> str | Non
     """Why CUDA graphs (a compile_mode in CUDA_GRAPH_MODES) cannot serve `config`, or None; the
     bench and the sd-scripts launcher refuse with it. moved_by: what moves the blocks' weights
     between steps (offloading, block swap, other GPUs), if anything."""
-    if config.mode != "blocks" or config.activation_memory_budget is None:
-        # Under the model's own checkpointing the recompute read outputs a later replay had
-        # overwritten (sd-scripts' SDXL, torch 2.11, on an H200).
+    if config.mode == "off" or (config.mode == "blocks" and config.activation_memory_budget is None):
+        # Whole blocks under the model's own checkpointing: the recompute read outputs a later
+        # replay had overwritten (sd-scripts' SDXL, torch 2.11, on an H200). Selective mode
+        # records only graphs run without grad (compile_accel.backend).
         return (
-            "CUDA graphs need whole blocks under an activation memory budget (a number or auto): under the "
-            "model's gradient checkpointing (selective mode) they fail"
+            "CUDA graphs need whole blocks under an activation memory budget (a number or auto), or selective "
+            "mode: whole blocks under the model's own gradient checkpointing fail"
         )
     if moved_by:
         return f"a CUDA graph records the blocks' weights where they are, and {moved_by} moves them every step"

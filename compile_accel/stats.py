@@ -50,6 +50,7 @@ class Stats:
     worker_graphs_started: int = 0
     worker_graphs_compiled: int = 0
     worker_failures: list[str] = field(default_factory=list)
+    cuda_graph_graphs: int = 0  # graphs compiled to replay as CUDA graphs (CompileConfig.compile_mode)
 
     def record_graph(self, signature: tuple) -> None:
         self.graphs += 1
@@ -71,6 +72,7 @@ class Stats:
         self.worker_graphs_started += other.worker_graphs_started
         self.worker_graphs_compiled += other.worker_graphs_compiled
         self.worker_failures += other.worker_failures
+        self.cuda_graph_graphs += other.cuda_graph_graphs
 
     def as_dict(self) -> dict[str, Any]:
         fallen = {name for name, _ in self.fallbacks}
@@ -90,6 +92,7 @@ class Stats:
             "worker_graphs_started": self.worker_graphs_started,
             "worker_graphs_compiled": self.worker_graphs_compiled,
             "worker_failures": list(self.worker_failures),
+            "cuda_graph_graphs": self.cuda_graph_graphs,
         }
 
 

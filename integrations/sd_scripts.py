@@ -356,7 +356,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             action="store_true",
             help="with --activation_memory_budget B or auto: replay each compiled block as a CUDA graph (inductor's "
             "reduce-overhead mode), one launch instead of hundreds, for steps bound by kernel launches (SDXL with "
-            "LoRA); not with --blocks_to_swap (moved weights are recorded again at every move)",
+            "LoRA); with --selective_torch_compile: the forward of each block under a reentrant checkpoint (SDXL), "
+            "the recompute and backward without; not with --blocks_to_swap (moved weights are recorded again at "
+            "every move)",
         )
     except argparse.ArgumentError as error:
         raise LaunchError(

@@ -245,8 +245,8 @@ def test_parse_mode(spec: str, mode: str, budget: float | None, ckpt: bool) -> N
     assert (parsed.config.mode, parsed.config.activation_memory_budget, parsed.checkpointing) == (mode, budget, ckpt)
 
 
-@pytest.mark.parametrize("spec", ["blocks+budget=0.1", "blocks+budget=1.0", "blocks+auto"])
-def test_cudagraphs_turns_on_inductors_cuda_graphs_for_a_budget_mode(spec: str) -> None:
+@pytest.mark.parametrize("spec", ["blocks+budget=0.1", "blocks+budget=1.0", "blocks+auto", "selective+ckpt"])
+def test_cudagraphs_turns_on_inductors_cuda_graphs_for_a_budget_or_selective_mode(spec: str) -> None:
     plain, recorded = parse_mode(spec), parse_mode(spec + "+cudagraphs")
     assert (plain.config.compile_mode, recorded.config.compile_mode) == (None, "reduce-overhead")
     assert recorded.name == spec + "+cudagraphs"
@@ -258,8 +258,8 @@ def test_cudagraphs_turns_on_inductors_cuda_graphs_for_a_budget_mode(spec: str) 
     "spec",
     [
         "eager+ckpt+cudagraphs",
-        "selective+ckpt+cudagraphs",
         "blocks+ckpt+cudagraphs",
+        "selective+ckpt+cudagraphs+offload=0.5",
         "blocks+budget=0.1+cudagraphs+offload=0.5",
         "blocks+budget=0.1+cudagraphs+ddp=2",
         "blocks+budget=0.1+cudagraphs+split=2",
@@ -267,7 +267,8 @@ def test_cudagraphs_turns_on_inductors_cuda_graphs_for_a_budget_mode(spec: str) 
 )
 def test_cudagraphs_is_refused_where_nothing_is_compiled_checkpointing_runs_or_weights_move(spec: str) -> None:
     refused = (
-        r"\+cudagraphs goes after blocks\+budget=B or blocks\+auto alone: (CUDA graphs need whole blocks|"
+        r"\+cudagraphs goes after blocks\+budget=B, blocks\+auto or selective\+ckpt alone: "
+        r"(CUDA graphs need whole blocks|"
         r"a CUDA graph records the blocks' weights where they are, and \+(offload|ddp|split) moves)"
     )
     with pytest.raises(ValueError, match=refused):

@@ -19,8 +19,8 @@ def _cuda_step(model, params, inputs, autocast: bool = True):
         return lora_step(model, params, inputs)
 
 
-def _on_cuda(lora: str = "kohya"):
-    model, params = build(lora, None, dim=256, heads=4, text_dim=64)
+def _on_cuda(lora: str = "kohya", checkpointing: str | None = None):
+    model, params = build(lora, checkpointing, dim=256, heads=4, text_dim=64)
     model.cuda()
     for network in getattr(model, "_test_network", []):
         network.cuda()
@@ -47,14 +47,16 @@ def test_blocks_budget_bf16_lora_gradients_as_close_as_eager(budget: float) -> N
 def test_cuda_graphs_train_as_eager_on_fresh_inputs(mode: str, budget: float | str | None) -> None:
     """compile_mode="reduce-overhead" replays CUDA graphs recorded in the first steps: new inputs
     every step and LoRA weights updated in place between steps must give eager's losses and
-    gradients (fp32; tolerance 1e-3 for inductor's reordered sums). The model has no
-    checkpointing (under a trainer's checkpoint CUDA graphs failed: the launcher refuses it).
-    With "auto", calibration on the first step records and measures them."""
+    gradients (fp32; tolerance 1e-3 for inductor's reordered sums). Selective mode runs under a
+    reentrant checkpoint (sd-scripts' SDXL's), whose first forward, without grad, is recorded;
+    budget modes have no checkpointing. With "auto", calibration on the first step records and
+    measures them."""
     skips_before = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+    checkpointing = "reentrant" if mode == "selective" else None
     torch.manual_seed(0)
-    model, params, _ = _on_cuda()
+    model, params, _ = _on_cuda(checkpointing=checkpointing)
     torch.manual_seed(0)
-    eager, eager_params, _ = _on_cuda()
+    eager, eager_params, _ = _on_cuda(checkpointing=checkpointing)
     limit = 64.0 if budget == "auto" else None
     config = CompileConfig(
         mode=mode, activation_memory_budget=budget, compile_mode="reduce-overhead", vram_limit_gib=limit
@@ -75,6 +77,7 @@ def test_cuda_graphs_train_as_eager_on_fresh_inputs(mode: str, budget: float | s
     stats = acceleration.stats()
     assert stats["compiled_regions"] == stats["regions"] > 0
     assert stats["recompiles"] == 0 and stats["fallbacks"] == []
+    assert stats["cuda_graph_graphs"] > 0
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == skips_before  # CUDA graphs did run
     if budget == "auto":
         auto = stats["auto_budget"]

@@ -231,8 +231,8 @@ def test_bad_budget_is_an_argparse_error(value: str) -> None:
         ),
         (
             ["--selective_torch_compile", "--compile_cuda_graphs"],
-            {},
-            "under the model's gradient checkpointing \\(selective mode\\) they fail",
+            {"blocks_to_swap": 8},
+            "--compile_cuda_graphs: a CUDA graph records the blocks' weights where they are, and --blocks_to_swap",
         ),
     ],
 )
@@ -287,6 +287,8 @@ def test_cuda_graphs_flag_becomes_inductors_reduce_overhead_mode() -> None:
     for budget, expected in (("0.1", 0.1), ("auto", "auto")):
         config = accel.config_from_args(_parse("--activation_memory_budget", budget, "--compile_cuda_graphs"))
         assert (config.activation_memory_budget, config.compile_mode) == (expected, "reduce-overhead")
+    config = accel.config_from_args(_parse("--selective_torch_compile", "--compile_cuda_graphs"))
+    assert (config.mode, config.compile_mode) == ("selective", "reduce-overhead")
 
 
 def test_cuda_graphs_on_a_cpu_run_are_refused_before_anything_compiles() -> None:

@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 import compile_accel
 from compile_accel import CompileConfig
+from compile_accel import backend as region_backend
 from compile_accel.benchmarks.lora import KohyaStyleLoRANetwork
 from compile_accel.blocks import match_block_lists, resolve_block_lists
 from compile_accel.integrations.sd_scripts import FAMILIES
@@ -79,6 +80,14 @@ class BodyBlock(nn.Module):
         if self.training and self.gradient_checkpointing:
             return checkpoint(self._forward, x, use_reentrant=False)
         return self._forward(x)
+
+
+class ReentrantBodyBlock(BodyBlock):
+    """sd-scripts' SDXL checkpoints reentrantly: the body runs first without grad, and again in
+    the backward; the checkpoint keeps the block's input (the block before's output)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self._forward, x, use_reentrant=True)
 
 
 class WrappedBodyBlock(BodyBlock):
@@ -150,15 +159,16 @@ class SdxlStyleUNet(nn.Module):
 
 
 class Stack(nn.Module):
-    """Blocks checkpointed from the model's loop, as diffusers does."""
+    """Blocks checkpointed from the model's loop, as diffusers does (`loop_checkpoint`)."""
 
-    def __init__(self, block: type[nn.Module], count: int = 3) -> None:
+    def __init__(self, block: type[nn.Module], count: int = 3, loop_checkpoint: bool = True) -> None:
         super().__init__()
         self.blocks = nn.ModuleList([block() for _ in range(count)])
+        self.loop_checkpoint = loop_checkpoint
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False) if self.training else block(x)
+            x = checkpoint(block, x, use_reentrant=False) if self.training and self.loop_checkpoint else block(x)
         return x
 
 
@@ -240,6 +250,75 @@ def test_remove_gives_the_body_method_back() -> None:
     acceleration = compile_accel.apply(model, CompileConfig(mode="selective"))
     acceleration.remove()
     assert all("_forward" not in vars(block) for block in model.blocks)
+
+
+class PooledOutputCompilers:
+    """Stand-in for inductor's compilers (compile_accel.backend._inner_backend): a graph compiled
+    with CUDA graphs returns its outputs in buffers of its own that its next call overwrites, as a
+    CUDA graph's replay does (in its pool); without, it runs the graph as traced. Notes the grad
+    mode each graph was compiled in, per kind."""
+
+    def __init__(self) -> None:
+        self.grad_modes: dict[bool, list[bool]] = {True: [], False: []}  # with CUDA graphs -> grad modes
+
+    def __call__(self, config: CompileConfig, cuda_graphs: bool = True):
+        def compile_graph(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+            self.grad_modes[cuda_graphs].append(torch.is_grad_enabled())
+            if not cuda_graphs:
+                return gm.forward
+            pool: list[torch.Tensor] = []
+
+            def replay(*args: torch.Tensor) -> tuple:
+                outputs = gm.forward(*args)
+                pool[:] = pool or [torch.empty_like(out) for out in outputs]
+                for buffer, out in zip(pool, outputs, strict=True):
+                    buffer.copy_(out)
+                return tuple(pool)
+
+            return replay
+
+        return compile_graph
+
+
+def _reentrant_steps_as_eager(model: nn.Module, config: CompileConfig) -> compile_accel.Acceleration:
+    """Two steps on fresh inputs (which require grad, as a reentrant checkpoint needs): loss and
+    LoRA gradients equal eager's."""
+    params = _with_lora(model)
+    inputs = [torch.randn(2, 8, DIM, requires_grad=True) for _ in range(2)]
+    expected = [_step(model, params, x) for x in inputs]
+    acceleration = compile_accel.apply(model, config)
+    for x, (loss, grads) in zip(inputs, expected, strict=True):
+        got_loss, got_grads = _step(model, params, x)
+        assert relative_error(got_loss, loss) < TOLERANCE
+        assert all(relative_error(g, e) < TOLERANCE for g, e in zip(got_grads, grads, strict=True))
+    return acceleration
+
+
+def test_selective_cuda_graphs_record_the_graphs_without_grad_and_copy_their_outputs_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under a reentrant checkpoint each block's body output is the next block's input, kept for
+    the recompute: left in the pool, the next block's replay would overwrite it and the
+    gradients would be wrong. The recompute's graph (with grad) compiles without CUDA graphs."""
+    compilers = PooledOutputCompilers()
+    monkeypatch.setattr(region_backend, "_inner_backend", compilers)
+    model = Stack(ReentrantBodyBlock, loop_checkpoint=False)
+    config = CompileConfig(mode="selective", compile_mode="reduce-overhead")
+    stats = _reentrant_steps_as_eager(model, config).stats()
+    assert compilers.grad_modes == {True: [False], False: [True]}
+    assert stats["cuda_graph_graphs"] == 1 and stats["compiled_regions"] == stats["regions"] == 3
+
+
+def test_selective_cuda_graphs_with_nothing_run_without_grad_say_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    compilers = PooledOutputCompilers()
+    monkeypatch.setattr(region_backend, "_inner_backend", compilers)
+    model = Stack(BodyBlock, loop_checkpoint=False)
+    for block in model.blocks:
+        block.gradient_checkpointing = True  # non-reentrant: the body runs with grad
+    config = CompileConfig(mode="selective", compile_mode="reduce-overhead")
+    with pytest.warns(RuntimeWarning, match="every graph of this model's first forward ran with grad: nothing replays"):
+        stats = _reentrant_steps_as_eager(model, config).stats()
+    assert compilers.grad_modes == {True: [], False: [True]} and stats["cuda_graph_graphs"] == 0
 
 
 def test_sdxl_family_lists_every_layer_list_of_the_unet() -> None:
