@@ -323,17 +323,17 @@ def _compile_blocks(
             cuda_graphs=config.compile_mode in CUDA_GRAPH_MODES,
         )
         acceleration.on_remove(acceleration.auto_budget.remove)
-    acceleration.on_remove(_check_first_forward(model, config, regions, stats).remove)
+    acceleration.on_remove(_watch_uncalled_regions(model, regions, stats).remove)
+    if config.mode == "selective" and config.compile_mode in CUDA_GRAPH_MODES:
+        for handle in _watch_selective_cuda_graphs(model, config, stats):
+            acceleration.on_remove(handle.remove)
     model.__dict__[_MARK] = acceleration
     return acceleration
 
 
-def _check_first_forward(
-    model: nn.Module, config: CompileConfig, regions: list[Region], stats: Stats
-) -> RemovableHandle:
-    """After the model's first forward, warned about once: regions never called (the model reaches
-    those modules other than through their forward, so they compile nothing), listed; and
-    selective mode's CUDA graphs where no graph ran without grad (nothing was recorded)."""
+def _watch_uncalled_regions(model: nn.Module, regions: list[Region], stats: Stats) -> RemovableHandle:
+    """After the model's first forward, regions never called (the model reaches those modules
+    other than through their forward, so they compile nothing) are listed and warned about once."""
 
     def hook(module: nn.Module, args: tuple, output: Any) -> None:
         handle.remove()
@@ -345,14 +345,33 @@ def _check_first_forward(
                 f"({', '.join(uncalled[:3])}{', ...' if len(uncalled) > 3 else ''}): the model uses them other "
                 "than through forward, so nothing of theirs is compiled. mode='blocks' compiles whole blocks"
             )
-        recording = config.mode == "selective" and config.compile_mode in CUDA_GRAPH_MODES
-        if recording and stats.graphs and not stats.cuda_graph_graphs:
-            warn(
-                f"compile_mode={config.compile_mode!r} in selective mode records only graphs run without grad "
-                "(the forward of a block under a reentrant checkpoint), and every graph of this model's first "
-                "forward ran with grad: nothing replays as a CUDA graph. For CUDA graphs here use mode='blocks' "
-                "with an activation memory budget"
-            )
 
     handle = model.register_forward_hook(hook)
     return handle
+
+
+def _watch_selective_cuda_graphs(model: nn.Module, config: CompileConfig, stats: Stats) -> list[RemovableHandle]:
+    """Selective mode with CUDA graphs records only graphs run without grad (compile_accel.backend):
+    after the first training forward (training mode, with grad) that compiled graphs, a warning
+    if none of those was one (a checkpoint that runs its forward with grad). Forwards without
+    grad before it (sampling) are not judged: their graphs record, training's may not."""
+    before: list[int] = []
+
+    def start(module: nn.Module, args: tuple) -> None:
+        before[:] = [stats.graphs, stats.cuda_graph_graphs]
+
+    def end(module: nn.Module, args: tuple, output: Any) -> None:
+        if not (module.training and torch.is_grad_enabled()) or stats.graphs == before[0]:
+            return
+        for handle in handles:
+            handle.remove()
+        if stats.cuda_graph_graphs == before[1]:
+            warn(
+                f"compile_mode={config.compile_mode!r} in selective mode records only graphs run without grad "
+                "(the forward of a block under a reentrant checkpoint), and the first training forward compiled "
+                "every graph with grad: nothing of training replays as a CUDA graph. For CUDA graphs here use "
+                "mode='blocks' with an activation memory budget"
+            )
+
+    handles = [model.register_forward_pre_hook(start), model.register_forward_hook(end)]
+    return handles

@@ -125,10 +125,16 @@ def _outputs_copied(compiled: Callable) -> Callable:
     Selective mode records only graphs run without grad: a reentrant checkpoint's first forward,
     which keeps each block's output (the next block's input) for its recompute in the backward.
     A tensor in the pool may be overwritten by a later replay; a copy (one kernel per output)
-    is the block's own."""
+    is the block's own. An output in an input's storage (returned as it came) is not copied."""
 
     def run(*args: Any) -> Any:
-        return pytree.tree_map_only(torch.Tensor, torch.clone, compiled(*args))
+        # Read before the call: a boxed call may empty its argument list.
+        inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)}
+
+        def own(out: torch.Tensor) -> torch.Tensor:
+            return out if out.untyped_storage().data_ptr() in inputs else out.clone()
+
+        return pytree.tree_map_only(torch.Tensor, own, compiled(*args))
 
     run._boxed_call = getattr(compiled, "_boxed_call", False)
     return run

@@ -50,7 +50,9 @@ class Stats:
     worker_graphs_started: int = 0
     worker_graphs_compiled: int = 0
     worker_failures: list[str] = field(default_factory=list)
-    cuda_graph_graphs: int = 0  # graphs compiled to replay as CUDA graphs (CompileConfig.compile_mode)
+    # Graphs compiled with CUDA graphs asked for (CompileConfig.compile_mode); inductor may still
+    # run one without (torch._dynamo.utils.counters["inductor"]["cudagraph_skips"], logged).
+    cuda_graph_graphs: int = 0
 
     def record_graph(self, signature: tuple) -> None:
         self.graphs += 1

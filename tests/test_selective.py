@@ -7,6 +7,8 @@ projections directly, an SDXL-style U-Net). Parity is against eager on fresh ran
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -309,16 +311,40 @@ def test_selective_cuda_graphs_record_the_graphs_without_grad_and_copy_their_out
     assert stats["cuda_graph_graphs"] == 1 and stats["compiled_regions"] == stats["regions"] == 3
 
 
-def test_selective_cuda_graphs_with_nothing_run_without_grad_say_so(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_selective_cuda_graphs_with_nothing_of_training_run_without_grad_say_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A non-reentrant checkpoint runs the body with grad. A sampling forward before training
+    (eval, no grad) records its graphs, and does not hide that training records none."""
     compilers = PooledOutputCompilers()
     monkeypatch.setattr(region_backend, "_inner_backend", compilers)
     model = Stack(BodyBlock, loop_checkpoint=False)
     for block in model.blocks:
-        block.gradient_checkpointing = True  # non-reentrant: the body runs with grad
-    config = CompileConfig(mode="selective", compile_mode="reduce-overhead")
-    with pytest.warns(RuntimeWarning, match="every graph of this model's first forward ran with grad: nothing replays"):
-        stats = _reentrant_steps_as_eager(model, config).stats()
-    assert compilers.grad_modes == {True: [], False: [True]} and stats["cuda_graph_graphs"] == 0
+        block.gradient_checkpointing = True
+    params = _with_lora(model)
+    x = torch.randn(2, 8, DIM)
+    expected_loss, expected_grads = _step(model, params, x)
+    acceleration = compile_accel.apply(model, CompileConfig(mode="selective", compile_mode="reduce-overhead"))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about yet
+        model.eval()
+        model(torch.randn(1, 8, DIM))
+    model.train()
+    with pytest.warns(RuntimeWarning, match="compiled every graph with grad: nothing of training replays"):
+        loss, grads = _step(model, params, x)
+    assert relative_error(loss, expected_loss) < TOLERANCE
+    assert all(relative_error(g, e) < TOLERANCE for g, e in zip(grads, expected_grads, strict=True))
+    assert compilers.grad_modes == {True: [False], False: [True]}
+    assert acceleration.stats()["cuda_graph_graphs"] == 1
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_graphs_with_grad_compile_in_the_same_inductor_mode_without_cuda_graphs(mode: str) -> None:
+    config = CompileConfig(mode="selective", compile_mode=mode)
+    recording = region_backend._inner_backend(config).config
+    plain = region_backend._inner_backend(config, cuda_graphs=False).config
+    assert recording.pop("triton.cudagraphs") is True and plain.get("triton.cudagraphs", False) is False
+    assert plain == recording  # the mode's other settings (max-autotune's) kept
 
 
 def test_sdxl_family_lists_every_layer_list_of_the_unet() -> None:
