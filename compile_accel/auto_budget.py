@@ -25,7 +25,9 @@ budget's graphs are the ones training then runs. With compile workers
 graphs compile in the workers while the steps run it uncompiled (under a checkpoint, so they
 save no more than the lowest budget), and it is measured at the first step after they are back.
 The first candidate compiled there is compiled from the traced step's own graphs, packed for
-the workers as dynamo traced them: the step is not traced again (RegionBackend.adopt).
+the workers as dynamo traced them: the step is not traced again (RegionBackend.adopt). The
+traced step itself runs them uncompiled under a checkpoint while the workers trace and
+partition them (compile_accel.saved_bytes).
 If none fits, the lowest peak is taken, with a warning. The table (measured and predicted) and
 the choice are logged, returned in `stats()["auto_budget"]`, and cached in a JSON file keyed by
 model (class, parameter counts per dtype, config), what is compiled and how, input shapes, device, torch

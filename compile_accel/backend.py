@@ -196,8 +196,9 @@ class RegionBackend:
     (compile_accel.attention), compiles with the budget and an eager backward compile patched
     in, and once that succeeded counts the graph and whether it is a recompile.
 
-    auto's traced step (`estimate`) with compile workers also packs each graph for a worker
-    as dynamo traced it; `adopt(budget)` then hands those graphs to the workers at the budget
+    auto's traced step (`estimate`) with compile workers packs each graph for a worker as dynamo
+    traced it and runs it uncompiled while the worker partitions it at every candidate
+    (`_traced_in_workers`); `adopt(budget)` then hands those graphs to the workers at the budget
     auto picked and makes this backend that budget's: dynamo's graphs and guards serve it, and
     the picked budget is compiled without tracing the step again (10 s of sd-scripts' SDXL
     U-Net's first step on an H200).
@@ -282,6 +283,39 @@ class RegionBackend:
             return self._with_grad_inner, False
         return self.inner, True
 
+    def _traced_in_workers(self, gm: torch.fx.GraphModule, example_inputs: list[Any], label: str) -> Callable:
+        """auto's traced step with compile workers: `gm` packed as dynamo traced it (inductor's
+        passes may rewrite it), for `adopt`; a worker traces and partitions it at every
+        candidate (compile_accel.saved_bytes) while it runs here uncompiled, under a checkpoint
+        where it trains. A graph that cannot be packed is traced and partitioned here, and the
+        picked budget traces the step again."""
+        traced = compile_workers.pack_traced(gm, example_inputs, label)
+        if traced is None:
+            self.traced = None
+            return self._compile_here(gm, example_inputs)
+        job = self._estimate.worker_job()
+        with self._settings():  # the worker traces under them
+            partitions = compile_workers.run_in_worker(traced, job)
+        if torch.is_grad_enabled():
+            record = self._estimate.add_checkpointed(partitions, functools.partial(self._partitioned_here, traced, job))
+
+            def run(*inputs: Any) -> Any:
+                record.calls += 1
+                return compile_workers.run_uncompiled(gm, inputs, checkpointed=True)
+
+        else:
+
+            def run(*inputs: Any) -> Any:
+                return compile_workers.run_uncompiled(gm, inputs, checkpointed=False)
+
+        compiled = _Replaceable(run)
+        self.traced.append((traced, compiled))
+        return compiled
+
+    def _partitioned_here(self, traced: compile_workers.TracedGraph, job: Callable) -> dict[float, int]:
+        with self._settings():
+            return compile_workers.run_here(traced, job)
+
     def for_precompile(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         """This backend as torch's aot_compile calls it (compile_accel.precompile): the same
         attention rewrite, the graph compiled in a worker under this backend's settings and
@@ -318,22 +352,7 @@ class RegionBackend:
                     checkpointed=self.budget is not None,
                 )
         elif self.traced is not None:
-            # Packed before the trace (inductor's passes may rewrite gm), for `adopt`, and
-            # partitioned at every candidate in a worker meanwhile (compile_accel.saved_bytes).
-            traced = compile_workers.pack_traced(gm, example_inputs, label)
-            partitions = None
-            if traced is not None:
-                with self._settings():  # the worker traces under them
-                    partitions = compile_workers.run_in_worker(traced, self._estimate.worker_job())
-            records = len(self._estimate.graphs)
-            compiled = self._compile_here(gm, example_inputs)
-            if len(self._estimate.graphs) > records:  # a training graph
-                self._estimate.graphs[-1].in_worker = partitions
-            if traced is None:
-                self.traced = None  # the picked budget traces the step again
-            else:
-                compiled = _Replaceable(compiled)
-                self.traced.append((traced, compiled))
+            compiled = self._traced_in_workers(gm, example_inputs, label)
         else:
             compiled = compile_here(gm, example_inputs)
         if cuda_graphs and self._with_grad_inner is not None:

@@ -456,6 +456,22 @@ def precompile_in_workers(gm: torch.fx.GraphModule, example_inputs: list[Any], c
 _ATTENTION_WITHOUT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+def _uncompiled(gm: torch.fx.GraphModule, *inputs: Any) -> Any:
+    # Without cuDNN's attention: its eager backward fails on gradients laid out as a compiled
+    # step's neighbours give them (sd-scripts' Flux fp8 on an H200, torch 2.11: an illegal memory
+    # access); inductor's lowering lays them out for it, eager does not.
+    with sdpa_kernel(_ATTENTION_WITHOUT_CUDNN):
+        return gm(*inputs)
+
+
+def run_uncompiled(gm: torch.fx.GraphModule, inputs: tuple | list, checkpointed: bool) -> Any:
+    """`gm` run as dynamo traced it; `checkpointed`: under a non-reentrant checkpoint, which keeps
+    only its inputs for the backward and runs it again there."""
+    if checkpointed:
+        return checkpoint(_uncompiled, gm, *inputs, use_reentrant=False)
+    return _uncompiled(gm, *inputs)
+
+
 class WorkerGraph:
     """A graph handed to a worker: runs uncompiled until the worker is done, then is compiled
     here from the caches the worker filled (compile_here, at its first call after) and runs
@@ -498,16 +514,7 @@ class WorkerGraph:
             self._switch()
         if self._compiled is not None:
             return self._compiled(*inputs)
-        if self._checkpointed:
-            return checkpoint(self._run_uncompiled, *inputs, use_reentrant=False)
-        return self._run_uncompiled(*inputs)
-
-    def _run_uncompiled(self, *inputs: Any) -> Any:
-        # Without cuDNN's attention: its eager backward fails on gradients laid out as a
-        # compiled step's neighbours give them (sd-scripts' Flux fp8 on an H200, torch 2.11: an
-        # illegal memory access); inductor's lowering lays them out for it, eager does not.
-        with sdpa_kernel(_ATTENTION_WITHOUT_CUDNN):
-            return self._gm(*inputs)
+        return run_uncompiled(self._gm, inputs, self._checkpointed)
 
     def _switch(self) -> None:
         global _switched
@@ -590,6 +597,13 @@ def _submitted(job: Callable, graph: TracedGraph, compiler: Callable) -> concurr
 def run_in_worker(graph: TracedGraph, compiler: Callable) -> concurrent.futures.Future:
     """What `compiler` returns for a traced graph (picklable), from a worker."""
     return _submitted(_compile_job, graph, compiler)
+
+
+def run_here(graph: TracedGraph, compiler: Callable) -> Any:
+    """What `compiler` returns for a traced graph, in this process as a worker would run it (from
+    its packed form, under the grad mode and autocast of its trace)."""
+    with _unseen_by_checkpoints(), _in_runtime_state(graph.state):
+        return _compile_packed(graph.packed, compiler)
 
 
 def hand_over(graph: TracedGraph, compiler: Callable, compile_here: Callable, stats: Stats) -> WorkerGraph:

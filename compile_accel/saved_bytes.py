@@ -7,8 +7,8 @@ it traces each graph once and runs it partitioned at the traced budget, keeping 
 (after inductor's joint-graph passes). It counts the calls of each graph: a graph's saved bytes
 stay alive once per call until the backward.
 
-`added_bytes(budget)`, asked after a step, is what a step at `budget` keeps beyond a step at
-the traced budget. The first time a budget is asked for, each graph's joint graph is partitioned
+`added_bytes(budget)`, asked after a step, is what a step at `budget` keeps beyond the traced
+step. The first time a budget is asked for, each graph's joint graph is partitioned
 at it (on a copy), up to the partitioner's choice of what to save: the bytes are read from the
 fake values dynamo and AOTAutograd traced (storages, so a saved view keeps its whole base, as it
 does in training), and the forward and backward graphs are never built (their extraction and
@@ -20,9 +20,13 @@ bisects for the largest predicted to fit; and the min cuts a partition solves be
 budget matters are solved once per graph. The traced budget's own partition is counted the
 same way, as it goes.
 
-With compile workers, each traced graph also goes to a worker as dynamo traced it, which traces
-and partitions it the same way, then at every other candidate, while this process runs the traced
-step: the budgets asked for then read the worker's bytes (PartitionedPerBudget).
+With compile workers, each graph goes to a worker as dynamo traced it instead, which traces and
+partitions it the same way at every candidate (PartitionedPerBudget), while this process runs
+the traced step with the graph uncompiled under a checkpoint (`add_checkpointed`): it keeps
+nothing of the graph's but its inputs, so a budget adds all it saves. AOTAutograd's trace and
+the traced budget's partition were half of sd-scripts' SDXL U-Net's traced step (CPU profile,
+torch 2.14), and this process no longer waits for them. A graph no worker partitioned is
+partitioned here the same way (warned about).
 
 The traced graphs hold the attention kernels the compiled step would run (cuDNN's, where
 torch picks it): the partitioner decides differently for them (cuDNN's attention is not among
@@ -233,18 +237,23 @@ def partition_saved_bytes(
 
 @dataclass
 class GraphRecord:
-    """One traced training graph: its joint graph, what each budget asked for saves and its
-    calls in the current step."""
+    """One traced training graph: its joint graph, what each budget asked for saves, what the
+    traced step saved of it, and its calls in the current step."""
 
-    joint: torch.fx.GraphModule  # after the traced budget's partition; copies are partitioned again
+    # After the traced budget's partition; copies are partitioned again. None for a graph the
+    # traced step ran uncompiled under a checkpoint (`partition_here` partitions it).
+    joint: torch.fx.GraphModule | None
     joint_inputs: Any
     partition_kwargs: dict[str, Any]
+    traced_saved: int  # bytes the traced step kept per call (0 under a checkpoint)
     saved_bytes: dict[float, int] = field(default_factory=dict)
     min_cuts: MinCuts = field(default_factory=dict)  # solved by its partitions so far
     calls: int = 0
     # With compile workers: a worker's PartitionedPerBudget of the same graph, read in place of
     # partitions here once a budget is asked for.
     in_worker: concurrent.futures.Future | None = None
+    # For a graph without a joint graph here: the worker's job, run here ({budget: bytes}).
+    partition_here: Callable[[], dict[float, int]] | None = None
 
 
 # How long the prediction waits for a worker's partitions of a graph before partitioning it here
@@ -328,7 +337,17 @@ class SavedBytesEstimate:
         if budget not in self.candidates:
             raise ValueError(f"budget {budget} is not one of the candidates {self.candidates}")
         called = [g for g in self.graphs if g.calls]
-        return sum(g.calls * (self._saved(g, budget) - self._saved(g, self.budget)) for g in called)
+        return sum(g.calls * (self._saved(g, budget) - g.traced_saved) for g in called)
+
+    def add_checkpointed(
+        self, in_worker: concurrent.futures.Future, partition_here: Callable[[], dict[float, int]]
+    ) -> GraphRecord:
+        """Record a training graph that the traced step runs uncompiled under a checkpoint while
+        a worker partitions it (`in_worker`, a PartitionedPerBudget's future); the caller
+        counts its calls."""
+        record = GraphRecord(None, None, {}, traced_saved=0, in_worker=in_worker, partition_here=partition_here)
+        self.graphs.append(record)
+        return record
 
     def _partition_traced(
         self, joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any
@@ -338,7 +357,7 @@ class SavedBytesEstimate:
         with torch._functorch.config.patch(activation_memory_budget=self.budget):
             with _counting_saved_values(kwargs["num_fwd_outputs"], stop=False) as counted:
                 forward, backward = self._partition(joint, joint_inputs, **kwargs)
-        self._pending = GraphRecord(joint, joint_inputs, kwargs, saved_bytes={self.budget: counted[-1]})
+        self._pending = GraphRecord(joint, joint_inputs, kwargs, counted[-1], saved_bytes={self.budget: counted[-1]})
         return forward, backward
 
     def worker_job(self) -> PartitionedPerBudget:
@@ -349,17 +368,26 @@ class SavedBytesEstimate:
         if budget not in graph.saved_bytes and graph.in_worker is not None:
             future, graph.in_worker = graph.in_worker, None
             try:
-                from_worker = future.result(timeout=WORKER_PARTITIONS_TIMEOUT_SECONDS)
-                if not from_worker:
-                    raise RuntimeError("the worker traced it without a backward")
+                from_worker = self._every_budget(graph, future.result(timeout=WORKER_PARTITIONS_TIMEOUT_SECONDS))
                 graph.saved_bytes = {**from_worker, **graph.saved_bytes}
             except Exception as error:  # the worker's error, or a worker stuck: the same partitions, here
                 warn(f"auto: a compile worker did not partition a traced graph ({type(error).__name__}: {error}); partitioning it here")
+        if budget not in graph.saved_bytes and graph.joint is None:
+            graph.saved_bytes = self._every_budget(graph, graph.partition_here())
         if budget not in graph.saved_bytes:
             graph.saved_bytes[budget] = partition_saved_bytes(
                 graph.joint, graph.joint_inputs, budget, graph.min_cuts, **graph.partition_kwargs
             )
         return graph.saved_bytes[budget]
+
+    def _every_budget(self, graph: GraphRecord, saved: dict[float, int]) -> dict[float, int]:
+        """A PartitionedPerBudget's result for `graph`: {} is a graph without a backward, which
+        saves nothing (one the traced step ran uncompiled: AOTAutograd decides that there)."""
+        if saved:
+            return saved
+        if graph.joint is None:
+            return dict.fromkeys(self.candidates, 0)
+        raise RuntimeError("the worker traced it without a backward")
 
     def _forward(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Callable:
         record, self._pending = self._pending, None

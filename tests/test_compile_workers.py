@@ -368,12 +368,13 @@ def test_auto_trains_on_while_a_candidates_graphs_compile_and_measures_it_once_t
     clear_caches()
 
 
-def test_auto_partitions_each_traced_graph_in_a_worker_as_it_would_here(
+def test_auto_runs_its_traced_step_uncompiled_under_checkpoints_while_workers_partition_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With workers, auto's traced step hands each graph to a worker, which partitions it at
-    every candidate: the bytes each partition saves are those partitioned here, and the
-    prediction reads them without partitioning here."""
+    """With workers, auto's traced step runs each graph uncompiled under a checkpoint while a
+    worker traces and partitions it at every candidate: nothing is traced by AOTAutograd or
+    partitioned here, each graph's bytes are what the same job gives here, and since the
+    checkpoint kept nothing of a graph's, a budget adds all it saves per call."""
     from compile_accel import saved_bytes
     from compile_accel.auto_budget import CANDIDATES
 
@@ -382,27 +383,29 @@ def test_auto_partitions_each_traced_graph_in_a_worker_as_it_would_here(
     config = CompileConfig(mode="blocks", activation_memory_budget="auto", vram_limit_gib=64.0, compile_workers=WORKERS)
     acceleration = compile_accel.apply(model, config)
     auto = acceleration.auto_budget
-    predict, added, partitioned_here = auto._predict, [], []
+    predict, added, here = auto._predict, [], []
 
     def traced_step_only(run, device, parameters, counts, limit):
-        predict(run, device, parameters, counts, limit=-1)  # the traced step alone
+        def note(*args: Any, **kwargs: Any) -> None:
+            here.append(args)
+
         with monkeypatch.context() as patch:
-            patch.setattr(saved_bytes, "partition_saved_bytes", lambda *args, **kwargs: partitioned_here.append(args))
+            patch.setattr(saved_bytes.SavedBytesEstimate, "_partition_traced", note)
+            patch.setattr(saved_bytes, "partition_saved_bytes", note)
+            predict(run, device, parameters, counts, limit=-1)  # the traced step alone
             added.extend(auto._estimate.added_bytes(budget) for budget in CANDIDATES)
         raise KeyboardInterrupt
 
     auto.predict = traced_step_only
     with pytest.warns(RuntimeWarning, match="calibration stopped"), pytest.raises(KeyboardInterrupt):
         lora_step(model, [], inputs_for(model))
-    assert partitioned_here == [] and added[-1] > added[0] == 0
+    assert here == []
     graphs = auto._estimate.graphs
-    assert graphs and all(graph.in_worker is None for graph in graphs)  # read
+    assert graphs and all(graph.joint is None and graph.in_worker is None and graph.calls > 0 for graph in graphs)
+    assert added == [sum(graph.calls * graph.saved_bytes[budget] for graph in graphs) for budget in CANDIDATES]
+    assert added[-1] > added[0]  # the budgets differ: the test can tell them apart
     for graph in graphs:
-        here = {
-            budget: saved_bytes.partition_saved_bytes(graph.joint, graph.joint_inputs, budget, **graph.partition_kwargs)
-            for budget in CANDIDATES
-        }
-        assert graph.saved_bytes == here
+        assert graph.saved_bytes == graph.partition_here()  # the worker's job, run here
     acceleration.remove()
     torch._dynamo.reset()
 
