@@ -5,8 +5,10 @@ workers, it goes on at a later step: below), a forward and a backward of a stand
 mean square of the outputs) at a time:
 
 1. One step with the blocks traced at the lowest candidate budget, without inductor
-   (compile_accel.saved_bytes): its peak, plus what a candidate's partition saves beyond the
-   lowest one's, predicts that candidate's peak. Tracing is a fraction of a compile. A larger
+   (compile_accel.saved_bytes): its peak, plus what a candidate's partition saves beyond what
+   the step kept, predicts that candidate's peak (with compile workers the step runs the blocks
+   uncompiled under checkpoints, which keep nothing of theirs, while the workers trace and
+   partition them). Tracing is a fraction of a compile. A larger
    budget saves more, so the largest candidate predicted to fit is found by bisection: two or
    three partitions per graph of five (each a second or more for a full-size block; 16 graphs
    on SDXL's U-Net).
@@ -593,14 +595,17 @@ class AutoBudget:
         predicted: dict[float, int] = {}
         try:
             seconds, peak = _run_once(run, device, parameters)
-            logger.info("auto: traced step in %.1f s (peak %.2f GiB); partitioning its graphs ...", seconds, peak / GIB)
-            start = time.perf_counter()
-            predict_largest_fitting(
-                self.candidates, lambda budget: peak + estimate.added_bytes(budget), limit, predicted
-            )
-            logger.info("auto: peaks predicted in %.1f s", time.perf_counter() - start)
         except torch.OutOfMemoryError:  # in the step: no prediction
             self._out_of_memory(device)
+            return predicted
+        logger.info("auto: traced step in %.1f s (peak %.2f GiB); partitioning its graphs ...", seconds, peak / GIB)
+        start = time.perf_counter()
+        try:
+            predict_largest_fitting(self.candidates, lambda budget: peak + estimate.added_bytes(budget), limit, predicted)
+        except Exception as error:  # a graph neither a worker nor this process could partition
+            warn(f"auto: no peaks predicted ({type(error).__name__}: {error}); measuring the lowest budget")
+            predicted.clear()
+        logger.info("auto: peaks predicted in %.1f s", time.perf_counter() - start)
         return predicted
 
     def _out_of_memory(self, device: torch.device) -> None:

@@ -293,10 +293,10 @@ class RegionBackend:
         if traced is None:
             self.traced = None
             return self._compile_here(gm, example_inputs)
-        job = self._estimate.worker_job()
-        with self._settings():  # the worker traces under them
-            partitions = compile_workers.run_in_worker(traced, job)
         if torch.is_grad_enabled():
+            job = self._estimate.worker_job()
+            with self._settings():  # the worker traces under them
+                partitions = compile_workers.run_in_worker(traced, job)
             record = self._estimate.add_checkpointed(partitions, functools.partial(self._partitioned_here, traced, job))
 
             def run(*inputs: Any) -> Any:

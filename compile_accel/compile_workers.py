@@ -289,20 +289,27 @@ def _runtime_state() -> dict[str, Any]:
     }
 
 
-@contextlib.contextmanager
-def _in_runtime_state(state: dict[str, Any]) -> Iterator[None]:
-    """In a worker: the flags set for good (each graph sets its own), grad mode and autocast
-    around the compile."""
+def _set_flags(state: dict[str, Any]) -> None:
     torch.use_deterministic_algorithms(state["deterministic"][0], warn_only=state["deterministic"][1])
     torch.utils.deterministic.fill_uninitialized_memory = state["fill_uninitialized_memory"]
     torch.set_default_dtype(state["default_dtype"])
     for (module, name), value in zip(_precision_flags(), state["precision"], strict=True):
         if getattr(module, name) != value:  # (setting one flag can change another's reading)
             setattr(module, name, value)
+
+
+@contextlib.contextmanager
+def _in_runtime_state(state: dict[str, Any]) -> Iterator[None]:
+    """In a worker: the flags set for good (each graph sets its own), grad mode and autocast
+    around the compile."""
+    _set_flags(state)
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.set_grad_enabled(state["grad"]))
-        for device, dtype in state["autocast"].items():
-            stack.enter_context(torch.autocast(device, dtype=dtype))
+        for device in _AUTOCAST_DEVICES:
+            if device in state["autocast"]:
+                stack.enter_context(torch.autocast(device, dtype=state["autocast"][device]))
+            elif torch.is_autocast_enabled(device):  # (in the training process: run_here)
+                stack.enter_context(torch.autocast(device, enabled=False))
         yield
 
 
@@ -601,9 +608,13 @@ def run_in_worker(graph: TracedGraph, compiler: Callable) -> concurrent.futures.
 
 def run_here(graph: TracedGraph, compiler: Callable) -> Any:
     """What `compiler` returns for a traced graph, in this process as a worker would run it (from
-    its packed form, under the grad mode and autocast of its trace)."""
-    with _unseen_by_checkpoints(), _in_runtime_state(graph.state):
-        return _compile_packed(graph.packed, compiler)
+    its packed form, under the state of its trace); this process's flags are put back after."""
+    here = _runtime_state()
+    try:
+        with _unseen_by_checkpoints(), _in_runtime_state(graph.state):
+            return _compile_packed(graph.packed, compiler)
+    finally:
+        _set_flags(here)
 
 
 def hand_over(graph: TracedGraph, compiler: Callable, compile_here: Callable, stats: Stats) -> WorkerGraph:

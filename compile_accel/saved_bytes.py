@@ -332,8 +332,8 @@ class SavedBytesEstimate:
             graph.calls = 0
 
     def added_bytes(self, budget: float) -> int:
-        """What the last step would have saved at `budget` beyond what it saved at the traced
-        budget (negative: less)."""
+        """What the last step would have saved at `budget` beyond what the traced step kept
+        (negative: less)."""
         if budget not in self.candidates:
             raise ValueError(f"budget {budget} is not one of the candidates {self.candidates}")
         called = [g for g in self.graphs if g.calls]
@@ -368,26 +368,22 @@ class SavedBytesEstimate:
         if budget not in graph.saved_bytes and graph.in_worker is not None:
             future, graph.in_worker = graph.in_worker, None
             try:
-                from_worker = self._every_budget(graph, future.result(timeout=WORKER_PARTITIONS_TIMEOUT_SECONDS))
-                graph.saved_bytes = {**from_worker, **graph.saved_bytes}
+                from_worker = future.result(timeout=WORKER_PARTITIONS_TIMEOUT_SECONDS)
+                graph.saved_bytes = {**self._every_budget(from_worker), **graph.saved_bytes}
             except Exception as error:  # the worker's error, or a worker stuck: the same partitions, here
                 warn(f"auto: a compile worker did not partition a traced graph ({type(error).__name__}: {error}); partitioning it here")
         if budget not in graph.saved_bytes and graph.joint is None:
-            graph.saved_bytes = self._every_budget(graph, graph.partition_here())
+            graph.saved_bytes = self._every_budget(graph.partition_here())
         if budget not in graph.saved_bytes:
             graph.saved_bytes[budget] = partition_saved_bytes(
                 graph.joint, graph.joint_inputs, budget, graph.min_cuts, **graph.partition_kwargs
             )
         return graph.saved_bytes[budget]
 
-    def _every_budget(self, graph: GraphRecord, saved: dict[float, int]) -> dict[float, int]:
-        """A PartitionedPerBudget's result for `graph`: {} is a graph without a backward, which
-        saves nothing (one the traced step ran uncompiled: AOTAutograd decides that there)."""
-        if saved:
-            return saved
-        if graph.joint is None:
-            return dict.fromkeys(self.candidates, 0)
-        raise RuntimeError("the worker traced it without a backward")
+    def _every_budget(self, saved: dict[float, int]) -> dict[float, int]:
+        """A PartitionedPerBudget's result: {} is a graph without a backward (AOTAutograd decides
+        that in the worker), which saves nothing."""
+        return saved or dict.fromkeys(self.candidates, 0)
 
     def _forward(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Callable:
         record, self._pending = self._pending, None

@@ -4,6 +4,7 @@ exhaustive one, the cache, and a training step left as it would have been."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import json
 
@@ -292,6 +293,25 @@ def test_a_workers_partitions_of_a_traced_graph_are_those_made_here() -> None:
     here = {budget: estimate._saved(graph, budget) for budget in CANDIDATES}
     assert here[1.0] > 0  # a budget saves something: the test can tell them apart
     assert saved_bytes.PartitionedPerBudget(CANDIDATES, CANDIDATES[0])(copy.deepcopy(gm), inputs) == here
+
+
+def test_a_graph_no_worker_partitioned_is_partitioned_here_with_a_warning() -> None:
+    """A graph the traced step ran under a checkpoint kept nothing: a budget adds all it saves per
+    call. A worker's failure runs the worker's job here (warned about); a worker's {} (no
+    backward) saves nothing."""
+    estimate = SavedBytesEstimate(CANDIDATES, CANDIDATES[0])
+    failed: concurrent.futures.Future = concurrent.futures.Future()
+    failed.set_exception(RuntimeError("the worker died"))
+    here = {budget: 1000 * (rank + 1) for rank, budget in enumerate(CANDIDATES)}
+    estimate.add_checkpointed(failed, lambda: here)
+    without_backward: concurrent.futures.Future = concurrent.futures.Future()
+    without_backward.set_result({})
+    estimate.add_checkpointed(without_backward, lambda: pytest.fail("the worker's answer is taken"))
+    for graph in estimate.graphs:
+        graph.calls = 3
+    with pytest.warns(RuntimeWarning, match="did not partition a traced graph .*the worker died.*partitioning it here"):
+        added = [estimate.added_bytes(budget) for budget in CANDIDATES]
+    assert added == [3 * here[budget] for budget in CANDIDATES]
 
 
 def test_cudnn_attention_backward_gets_its_gradient_laid_out_as_the_output() -> None:

@@ -383,15 +383,21 @@ def test_auto_runs_its_traced_step_uncompiled_under_checkpoints_while_workers_pa
     config = CompileConfig(mode="blocks", activation_memory_budget="auto", vram_limit_gib=64.0, compile_workers=WORKERS)
     acceleration = compile_accel.apply(model, config)
     auto = acceleration.auto_budget
-    predict, added, here = auto._predict, [], []
+    predict, added, here, checkpointed = auto._predict, [], [], []
+    checkpoint = compile_workers.checkpoint
 
     def traced_step_only(run, device, parameters, counts, limit):
         def note(*args: Any, **kwargs: Any) -> None:
             here.append(args)
 
+        def counted_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            checkpointed.append(kwargs["use_reentrant"])
+            return checkpoint(*args, **kwargs)
+
         with monkeypatch.context() as patch:
             patch.setattr(saved_bytes.SavedBytesEstimate, "_partition_traced", note)
             patch.setattr(saved_bytes, "partition_saved_bytes", note)
+            patch.setattr(compile_workers, "checkpoint", counted_checkpoint)
             predict(run, device, parameters, counts, limit=-1)  # the traced step alone
             added.extend(auto._estimate.added_bytes(budget) for budget in CANDIDATES)
         raise KeyboardInterrupt
@@ -401,7 +407,10 @@ def test_auto_runs_its_traced_step_uncompiled_under_checkpoints_while_workers_pa
         lora_step(model, [], inputs_for(model))
     assert here == []
     graphs = auto._estimate.graphs
-    assert graphs and all(graph.joint is None and graph.in_worker is None and graph.calls > 0 for graph in graphs)
+    assert graphs and all(graph.joint is None and graph.in_worker is None for graph in graphs)
+    # Every region's call counted once (not again in the checkpoint's recompute), under a checkpoint.
+    assert sum(graph.calls for graph in graphs) == acceleration.stats()["regions"] == len(checkpointed)
+    assert checkpointed == [False] * len(checkpointed)
     assert added == [sum(graph.calls * graph.saved_bytes[budget] for graph in graphs) for budget in CANDIDATES]
     assert added[-1] > added[0]  # the budgets differ: the test can tell them apart
     for graph in graphs:
