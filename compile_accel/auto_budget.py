@@ -601,7 +601,9 @@ class AutoBudget:
         logger.info("auto: traced step in %.1f s (peak %.2f GiB); partitioning its graphs ...", seconds, peak / GIB)
         start = time.perf_counter()
         try:
-            predict_largest_fitting(self.candidates, lambda budget: peak + estimate.added_bytes(budget), limit, predicted)
+            predict_largest_fitting(
+                self.candidates, lambda budget: peak + estimate.added_bytes(budget), limit, predicted
+            )
         except Exception as error:  # a graph neither a worker nor this process could partition
             warn(f"auto: no peaks predicted ({type(error).__name__}: {error}); measuring the lowest budget")
             predicted.clear()
