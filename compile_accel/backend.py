@@ -293,20 +293,18 @@ class RegionBackend:
         if traced is None:
             self.traced = None
             return self._compile_here(gm, example_inputs)
-        if torch.is_grad_enabled():
+        training = torch.is_grad_enabled()
+        record = None
+        if training:
             job = self._estimate.worker_job()
             with self._settings():  # the worker traces under them
                 partitions = compile_workers.run_in_worker(traced, job)
             record = self._estimate.add_checkpointed(partitions, functools.partial(self._partitioned_here, traced, job))
 
-            def run(*inputs: Any) -> Any:
+        def run(*inputs: Any) -> Any:
+            if record is not None:
                 record.calls += 1
-                return compile_workers.run_uncompiled(gm, inputs, checkpointed=True)
-
-        else:
-
-            def run(*inputs: Any) -> Any:
-                return compile_workers.run_uncompiled(gm, inputs, checkpointed=False)
+            return compile_workers.run_uncompiled(gm, inputs, checkpointed=training)
 
         compiled = _Replaceable(run)
         self.traced.append((traced, compiled))
