@@ -11,8 +11,11 @@ R=$(mktemp -d); mkdir -p $R
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $R/device.txt
 python3 -c "import torch, triton, os; print('torch', torch.__version__, 'triton', triton.__version__, 'cpus', os.cpu_count())" >> $R/device.txt
 echo "bytecode: site-packages byte-compiled before the runs (compileall), PYTHONDONTWRITEBYTECODE unset" >> $R/device.txt
-(while true; do echo "$(date +%s) $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ';')" >> $R/gpu_procs.txt; sleep 1; done) &
-SAMPLER=$!
+SAMPLER=
+if [ -z "${NO_SAMPLER:-}" ]; then  # NO_SAMPLER=1: no nvidia-smi beside the steps (it may stall launches)
+  (while true; do echo "$(date +%s) $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ';')" >> $R/gpu_procs.txt; sleep 1; done) &
+  SAMPLER=$!
+fi
 while [ $# -ge 2 ]; do
   name=$1; args=$2; shift 2
   mkdir -p $R/$name
@@ -23,5 +26,5 @@ while [ $# -ge 2 ]; do
   echo "== $name took $(( $(date +%s) - start )) s" | tee -a $OUT/run_log.txt
   tar -czf $OUT/results.tar.gz -C $R .
 done
-kill $SAMPLER
+[ -n "$SAMPLER" ] && kill $SAMPLER
 tar -czf $OUT/results.tar.gz -C $R .
