@@ -308,14 +308,14 @@ class AutoBudget:
     `set_budget(budget, stats, estimate=None, adopt=False)` switches every compiled region of the
     Acceleration to a budget, counting into `stats` (with `estimate`: traced for it, without
     inductor; with `adopt`: compiled from the traced step's graphs in the compile workers, where
-    they were packed for them, RegionBackend.adopt). `find_ladder(device)` returns the offload ladder to climb when nothing fits
-    (None: there is none); it is asked at calibration, so an offloader set up after apply()
-    counts. `measure`, `predict`, `candidates` (the budgets, ascending) and `compiling` (how
-    many graphs counting into a Stats are still in the compile workers) are replaceable for
-    tests. `cuda_graphs`: the regions replay CUDA graphs (CompileConfig.compile_mode), which
-    record the blocks' weights where they are: no offload ladder, `measure` reads reserved peaks
-    (called with reserved=True), and the CUDA graphs of a candidate measured before are freed
-    before the next one is.
+    they were packed for them, RegionBackend.adopt). `find_ladder(device)` returns the offload
+    ladder to climb when nothing fits (None: there is none); it is asked at calibration, so an
+    offloader set up after apply() counts. `measure`, `predict`, `candidates` (the budgets,
+    ascending) and `compiling` (how many graphs counting into a Stats are still in the compile
+    workers) are replaceable for tests. `cuda_graphs`: the regions replay CUDA graphs
+    (CompileConfig.compile_mode), which record the blocks' weights where they are: no offload
+    ladder, `measure` reads reserved peaks (called with reserved=True), and the CUDA graphs of a
+    candidate measured before are freed before the next one is.
 
     With compile workers, a candidate whose graphs went to them is measured at the first training
     step after they are back, on the same batch; until then the training steps run at that

@@ -371,7 +371,10 @@ class SavedBytesEstimate:
                 from_worker = future.result(timeout=WORKER_PARTITIONS_TIMEOUT_SECONDS)
                 graph.saved_bytes = {**self._every_budget(from_worker), **graph.saved_bytes}
             except Exception as error:  # the worker's error, or a worker stuck: the same partitions, here
-                warn(f"auto: a compile worker did not partition a traced graph ({type(error).__name__}: {error}); partitioning it here")
+                warn(
+                    f"auto: a compile worker did not partition a traced graph ({type(error).__name__}: {error}); "
+                    "partitioning it here"
+                )
         if budget not in graph.saved_bytes and graph.joint is None:
             graph.saved_bytes = self._every_budget(graph.partition_here())
         if budget not in graph.saved_bytes:
