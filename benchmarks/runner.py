@@ -297,7 +297,9 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
     step()
     synchronize(gpus)
     first = time.perf_counter() - start
-    workers = _await_compile_workers(step, gpus, start, acceleration.auto_budget) if compile_workers.pending() else None
+    auto = acceleration.auto_budget
+    waiting = compile_workers.pending() or (auto is not None and auto.waiting_for is not None)
+    workers = _await_compile_workers(step, gpus, start, auto) if waiting else None
     if run_cache is not None and _rank() == 0:  # as the launcher: before the worker pool stops
         run_cache.save()
     compile_workers.first_step_done()  # the pool stops once its graphs are back
@@ -398,15 +400,16 @@ def _await_compile_workers(
 ) -> dict[str, float]:
     """After a first step that left graphs compiling in workers: the second step's seconds (its
     graphs still compiling run uncompiled) and when, from the first step's start, the last
-    compiled graph was back. With auto, steps go on until its choice is made: a candidate is
-    measured at the first step after its graphs are back, and one over the limit hands the
-    next to the workers."""
+    compiled graph was back. With auto, steps go on until its choice is made: the workers'
+    partitions of its traced step are read at the first step after they are back, which hands
+    a candidate's graphs over; a candidate is measured at the first step after its graphs are
+    back, and one over the limit hands the next to the workers."""
     second_start = time.perf_counter()
     step()
     synchronize(gpus)
     second = time.perf_counter() - second_start
     compile_workers.wait()
-    while auto is not None and auto.checking is not None:
+    while auto is not None and auto.waiting_for is not None:
         step()
         compile_workers.wait()
     return {"second_step_s": second, "compiled_after_s": time.perf_counter() - start}

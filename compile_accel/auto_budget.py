@@ -23,13 +23,15 @@ time fell as the budget rose, or stayed within 1% (SD3: budget 1.0 0.1900 s, 0.5
 one-step calibration timings can be 10% apart at the same speed. So a calibration compiles one
 budget when the prediction is right, where timing every candidate compiled up to six. The chosen
 budget's graphs are the ones training then runs. With compile workers
-(CompileConfig.compile_workers), the first step waits only for the prediction: the candidate's
-graphs compile in the workers while the steps run it uncompiled (under a checkpoint, so they
-save no more than the lowest budget), and it is measured at the first step after they are back.
-The first candidate compiled there is compiled from the traced step's own graphs, packed for
-the workers as dynamo traced them: the step is not traced again (RegionBackend.adopt). The
-traced step itself runs them uncompiled under a checkpoint while the workers trace and
-partition them (compile_accel.saved_bytes).
+(CompileConfig.compile_workers), the first step waits for the traced step alone, which runs the
+graphs uncompiled under a checkpoint while the workers trace and partition them
+(compile_accel.saved_bytes). The training steps go on running them so (saving no more than the
+lowest budget) until the partitions are back; the first step after predicts, and hands the
+candidate's graphs to the workers, compiled from the traced step's own graphs as dynamo traced
+them: the step is not traced again (RegionBackend.adopt). The steps run the candidate
+uncompiled, under a checkpoint, until its graphs are back; it is measured at the first step
+after. (Waiting in the first step for the partitions of sd-scripts' SDXL U-Net's largest graph
+took 28-31 s of its 44-50 s on an H200's host.)
 If none fits, the lowest peak is taken, with a warning. The table (measured and predicted) and
 the choice are logged, returned in `stats()["auto_budget"]`, and cached in a JSON file keyed by
 model (class, parameter counts per dtype, config), what is compiled and how, input shapes, device, torch
@@ -279,7 +281,8 @@ Predict = Callable[[Callable[[], None], torch.device, list[torch.Tensor], list[S
 
 
 class _InWorkers(Exception):
-    """A candidate's graphs went to the compile workers: the search goes on at a later step."""
+    """Calibration waits for the compile workers (a candidate's graphs, or the partitions of the
+    traced step's): the search goes on at a later step. The message says what for, for the log."""
 
 
 @dataclass
@@ -300,6 +303,7 @@ class _Search:
     complete: set[int] = field(default_factory=set)  # rungs measured to the end
     in_workers: tuple[float | None, float] | None = None  # (rung, budget) whose graphs the workers compile
     in_workers_stats: Stats | None = None  # what that budget compiled (its graphs count in it once back)
+    traced_peak: int | None = None  # the traced step's peak, while the workers partition its graphs
 
 
 class AutoBudget:
@@ -317,11 +321,14 @@ class AutoBudget:
     ladder, `measure` reads reserved peaks (called with reserved=True), and the CUDA graphs of a
     candidate measured before are freed before the next one is.
 
-    With compile workers, a candidate whose graphs went to them is measured at the first training
-    step after they are back, on the same batch; until then the training steps run at that
-    budget, uncompiled, under a checkpoint, and none of its graphs switches to compiled before
-    calibration ran it (compile_workers.hold_switches). So the first step waits for the
-    prediction and the trace, not for the compile.
+    With compile workers, the prediction goes on at the first training step after the workers'
+    partitions of the traced step are back (until then the steps run the traced graphs
+    uncompiled, under checkpoints), and a candidate whose graphs went to them is measured at the
+    first training step after they are back, on the same batch; until then the training steps
+    run at that budget, uncompiled, under a checkpoint, and none of its graphs switches to
+    compiled before calibration ran it (compile_workers.hold_switches). So the first step waits
+    for the traced step only, not for the partitions or the compile (`waiting_for` says what
+    calibration waits for).
 
     A calibration that raises (Ctrl-C, an error in a candidate's step) puts the model back at
     the ladder's first rung and the lowest budget, warns, and runs again on the next training
@@ -365,6 +372,28 @@ class AutoBudget:
         return None if self._search is None or self._search.in_workers is None else self._search.in_workers[1]
 
     @property
+    def waiting_for(self) -> str | None:
+        """What calibration waits for from the compile workers, in words (None: nothing); it goes
+        on at the first training step after they are back."""
+        search = self._search
+        if search is None:
+            return None
+        if search.in_workers is not None:
+            return f"{_setting(search.in_workers[1], search.in_workers[0], search.ladder)}'s graphs"
+        if search.traced_peak is not None:
+            return "the partitions of the traced step's graphs"
+        return None
+
+    def _workers_busy(self) -> bool:
+        """Whether what calibration waits for is still in the compile workers."""
+        search = self._search
+        if search is None:
+            return False
+        if search.in_workers_stats is not None:
+            return bool(self.compiling(search.in_workers_stats))
+        return search.traced_peak is not None and self._estimate.partitions_out()
+
+    @property
     def _in_workers_stats(self) -> Stats | None:
         """What the candidate now in the compile workers compiled (None: none is there)."""
         return None if self._search is None else self._search.in_workers_stats
@@ -384,6 +413,7 @@ class AutoBudget:
         self.handle.remove()
         pending = self._in_workers_stats
         self._search = None
+        compile_workers.keep_running(self, False)
         if pending is not None:
             compile_workers.hold_switches(pending, False)
             self.stats.absorb(pending)
@@ -400,9 +430,8 @@ class AutoBudget:
                     "default budget without checkpointing, or at the candidate being calibrated"
                 )
             return None
-        pending = self._in_workers_stats
-        if pending is not None and self.compiling(pending):
-            return None  # the candidate's graphs are still in the compile workers
+        if self._workers_busy():
+            return None
         self._running = True
         try:
             done = self.calibrate(args, kwargs) is not None
@@ -439,18 +468,11 @@ class AutoBudget:
                 _climb(fastest, len(search.levels))
             measurements = [m for rung in sorted(search.tables) for m in search.tables[rung]]
             best, fits = choose(measurements, search.limit)
-        except _InWorkers:
+        except _InWorkers as waiting:
             search.waited_seconds += time.perf_counter() - resumed
-            compile_workers.hold_switches(search.in_workers_stats, True)
-            level, budget = search.in_workers
-            predicted = search.predicted[level].get(budget)  # none where the traced step ran out of memory
-            logger.info(
-                "auto: %s (%slimit %.2f GiB) is compiling in the workers; the steps run it uncompiled until its "
-                "graphs are back, then it is timed and its peak checked",
-                _setting(budget, level, search.ladder),
-                "" if predicted is None else f"predicted {predicted / GIB:.2f} GiB, ",
-                search.limit / GIB,
-            )
+            if search.in_workers_stats is not None:
+                compile_workers.hold_switches(search.in_workers_stats, True)
+            logger.info("auto: %s", waiting)
             return None
         except BaseException as error:
             self._search = None
@@ -459,6 +481,9 @@ class AutoBudget:
         finally:
             for run_counts in counts:
                 self.stats.absorb(run_counts)
+            # Between the partitions' return and the next step's hand-over nothing is out in the
+            # pool: kept up, or it would stop and the hand-over start a new one (seconds).
+            compile_workers.keep_running(self, self._search is not None and self._search.traced_peak is not None)
         self._search = None
         entry = {
             "budget": best.budget,
@@ -567,7 +592,13 @@ class AutoBudget:
                     search.run()  # compiles the budget's graphs, or hands them to the compile workers
                 if counts[-1].worker_graphs_started:
                     search.in_workers, search.in_workers_stats = (level, budget), counts.pop()
-                    raise _InWorkers
+                    predicted = search.predicted[level].get(budget)  # none where the traced step ran out of memory
+                    raise _InWorkers(
+                        f"{_setting(budget, level, search.ladder)} "
+                        f"({'' if predicted is None else f'predicted {predicted / GIB:.2f} GiB, '}"
+                        f"limit {search.limit / GIB:.2f} GiB) is compiling in the workers; the steps run it "
+                        "uncompiled until its graphs are back, then it is timed and its peak checked"
+                    )
             search.in_workers = search.in_workers_stats = None
             seconds, peak = self.measure(search.run, search.device, parameters)
         except torch.OutOfMemoryError:
@@ -585,20 +616,36 @@ class AutoBudget:
         limit: int,
     ) -> dict[float, int]:
         """Candidates' peaks from one step traced at the lowest (compile_accel.saved_bytes): that
-        one, then by bisection (`predict_largest_fitting`)."""
+        one, then by bisection (`predict_largest_fitting`). _InWorkers where compile workers are
+        still partitioning the step's graphs when it ends: the training steps run them
+        uncompiled under checkpoints meanwhile, and the call after they are back predicts from
+        this step. Called by calibration, with its search."""
+        search = self._search
         if self._estimate is None:
             self._estimate = SavedBytesEstimate(self.candidates, self.candidates[0])
         estimate = self._estimate
-        counts.append(Stats(regions=self.stats.regions))
-        self.set_budget(self.candidates[0], counts[-1], estimate=estimate)
-        estimate.new_step()
         predicted: dict[float, int] = {}
-        try:
-            seconds, peak = _run_once(run, device, parameters)
-        except torch.OutOfMemoryError:  # in the step: no prediction
-            self._out_of_memory(device)
-            return predicted
-        logger.info("auto: traced step in %.1f s (peak %.2f GiB); partitioning its graphs ...", seconds, peak / GIB)
+        if search.traced_peak is None:
+            counts.append(Stats(regions=self.stats.regions))
+            self.set_budget(self.candidates[0], counts[-1], estimate=estimate)
+            estimate.new_step()
+            try:
+                seconds, peak = _run_once(run, device, parameters)
+            except torch.OutOfMemoryError:  # in the step: no prediction
+                self._out_of_memory(device)
+                return predicted
+            finally:
+                estimate.end_step()
+            logger.info("auto: traced step in %.1f s (peak %.2f GiB)", seconds, peak / GIB)
+            if estimate.partitions_out():
+                search.traced_peak = peak
+                raise _InWorkers(
+                    "the compile workers partition the traced step's graphs; the steps run them uncompiled "
+                    "under checkpoints until they are back, then a budget is picked"
+                )
+        else:
+            peak, search.traced_peak = search.traced_peak, None
+        logger.info("auto: partitioning the traced step's graphs ...")
         start = time.perf_counter()
         try:
             predict_largest_fitting(

@@ -303,7 +303,7 @@ class RegionBackend:
 
         def run(*inputs: Any) -> Any:
             if record is not None:
-                record.calls += 1
+                self._estimate.called(record)
             return compile_workers.run_uncompiled(gm, inputs, checkpointed=training)
 
         compiled = _Replaceable(run)

@@ -86,6 +86,7 @@ _unswitched: list[WorkerGraph] = []  # handed to the workers, not yet running co
 _first_step_done = False  # set by first_step_done(), for the rest of the process
 _switched = 0  # graphs handed to the workers that run compiled here now, for the rest of the process
 _held: set[int] = set()  # id()s of the Stats whose graphs hold_switches keeps uncompiled
+_kept: set[int] = set()  # id()s of the holders keep_running keeps the pool up for
 _last_back = 0.0  # time.monotonic() when a graph last came back
 # Until the first step is done, an idle pool waits this long for more graphs: a first step hands
 # its graphs over in waves (sd-scripts' SDXL: 40 s apart on an H100, as dynamo and AOTAutograd
@@ -135,6 +136,10 @@ def _back(_: concurrent.futures.Future) -> None:
     # On the pool's reader thread, so no _lock here: the idle check runs on a timer's thread.
     global _last_back
     _last_back = time.monotonic()
+    _stop_when_idle()
+
+
+def _stop_when_idle() -> None:
     idle_seconds = 0.0 if _first_step_done else IDLE_SECONDS_BEFORE_FIRST_STEP_DONE
     timer = threading.Timer(idle_seconds, _stop_if_idle, args=(_pool, idle_seconds))
     timer.daemon = True
@@ -150,14 +155,31 @@ def first_step_done() -> None:
     _stop_if_idle(_pool, 0.0)
 
 
+def keep_running(holder: object, kept: bool) -> None:
+    """While kept for some holder, the pool does not stop when nothing is out in it. Released,
+    it stops once idle as usual. (auto keeps it between its partitions' return and the next
+    step's hand-over of a candidate's graphs: a new pool takes seconds to start.)"""
+    with _lock:
+        released = not kept and id(holder) in _kept
+        (_kept.add if kept else _kept.discard)(id(holder))
+    if released:
+        _stop_when_idle()
+
+
 def _stop_if_idle(pool: Any, idle_seconds: float) -> None:
-    """Shut `pool` down if it is still the pool, no graph is out in it, and none came back in the
-    last `idle_seconds` (a later graph's own timer checks again)."""
+    """Shut `pool` down if it is still the pool, nobody keeps it, no graph is out in it, and none
+    came back in the last `idle_seconds` (a later graph's own timer checks again)."""
     global _pool
     with _lock:
         _out[:] = [future for future in _out if not future.done()]
         # (A timer may fire a hair early: 10 ms of slack.)
-        if pool is None or pool is not _pool or _out or time.monotonic() - _last_back < idle_seconds - 0.01:
+        if (
+            pool is None
+            or pool is not _pool
+            or _kept
+            or _out
+            or time.monotonic() - _last_back < idle_seconds - 0.01
+        ):
             return
         _pool = None
     atexit.unregister(pool.shutdown)
@@ -210,11 +232,12 @@ def graphs_switched() -> int:
 
 
 def wait() -> int:
-    """Wait until the workers are done with every graph handed to them; returns `pending()` as it
-    was before (not 0: those graphs switch to compiled in the next step)."""
+    """Wait until the workers are done with every graph and job (auto's partitions) handed to
+    them; returns `pending()` as it was before (not 0: those graphs switch to compiled in the
+    next step)."""
     waiting = pending()
     with _lock:
-        futures = [graph.future for graph in _unswitched if graph.future is not None]
+        futures = [graph.future for graph in _unswitched if graph.future is not None] + _out
     concurrent.futures.wait(futures)
     return waiting
 

@@ -313,6 +313,7 @@ class SavedBytesEstimate:
         self.graphs: list[GraphRecord] = []
         self._partition = _inductor_partition()
         self._pending: GraphRecord | None = None  # partitioned, its forward not compiled yet
+        self._counting = False  # between new_step() and end_step()
 
     def backend(self) -> Callable:
         """An AOTAutograd backend (dynamo's graph in, a callable out) that records as above."""
@@ -327,9 +328,23 @@ class SavedBytesEstimate:
         )
 
     def new_step(self) -> None:
-        """Count calls from zero: `added_bytes` is then of the next step."""
+        """Count calls from zero until `end_step`: `added_bytes` is then of that step (the
+        training steps that run the traced graphs while workers partition them do not count)."""
         for graph in self.graphs:
             graph.calls = 0
+        self._counting = True
+
+    def end_step(self) -> None:
+        self._counting = False
+
+    def called(self, graph: GraphRecord) -> None:
+        """One call of `graph` (counted inside a step only)."""
+        if self._counting:
+            graph.calls += 1
+
+    def partitions_out(self) -> bool:
+        """Whether a compile worker is still partitioning a graph the counted step called."""
+        return any(g.calls and g.in_worker is not None and not g.in_worker.done() for g in self.graphs)
 
     def added_bytes(self, budget: float) -> int:
         """What the last step would have saved at `budget` beyond what the traced step kept
@@ -396,7 +411,7 @@ class SavedBytesEstimate:
         self.graphs.append(record)
 
         def forward(*args: Any) -> Any:
-            record.calls += 1
+            self.called(record)
             return run(*args)
 
         return make_boxed_func(forward)

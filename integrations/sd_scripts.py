@@ -513,14 +513,14 @@ class Launch:
         elif (
             self._resave_after is not None
             and self._graphs_back() >= self._resave_after
-            and self._auto_checking() is None
+            and self._auto_waiting_for() is None
         ):
             self._resave()
 
-    def _auto_checking(self) -> float | None:
-        """The budget auto measures once its graphs are back from the compile workers, if any."""
+    def _auto_waiting_for(self) -> str | None:
+        """What auto's calibration waits for from the compile workers, if anything."""
         auto = self.acceleration.auto_budget
-        return None if auto is None else auto.checking
+        return None if auto is None else auto.waiting_for
 
     def _graphs_back(self) -> int:
         """Graphs handed to the compile workers that run compiled now (or failed there)."""
@@ -547,14 +547,14 @@ class Launch:
         if auto:
             offload = f" at {auto['offload_name']} {auto['offload']:g}" if auto["offload_name"] else ""
             chose = f"; auto chose budget {auto['budget']}{offload}{' (cached)' if auto['cached'] else ''}"
-        elif self._auto_checking() is not None:
-            chose = f"; auto measures budget {self._auto_checking()} once its graphs are compiled"
+        elif self._auto_waiting_for() is not None:
+            chose = f"; auto goes on once {self._auto_waiting_for()} are back from the compile workers"
         waiting = stats["worker_graphs_started"] - self._graphs_back()
         cache = ""
         if self.compile_cache is not None and self.compile_cache.path is not None:
             loaded = "loaded from" if self.compile_cache.loaded else "not yet in"
             saved = ", saved there" if self.compile_cache.save() else ""
-            if waiting:  # the file lacks them: saved again once they are back
+            if waiting or self._auto_waiting_for() is not None:  # the file lacks them: saved again once back
                 self._resave_after = stats["worker_graphs_started"]
                 saved += " (again once the compile workers' graphs run compiled)"
             cache = f"; compiled graphs {loaded} {self.compile_cache.path}{saved}"
@@ -582,10 +582,10 @@ class Launch:
         )
 
     def report(self) -> None:
-        if self._auto_checking() is not None:
+        if self._auto_waiting_for() is not None:
             _say(
-                f"auto did not finish: training ended while budget {self._auto_checking()} was compiling in the "
-                "workers; nothing was cached, and the next run calibrates again"
+                f"auto did not finish: training ended while it waited for {self._auto_waiting_for()} from the "
+                "compile workers; nothing was cached, and the next run calibrates again"
             )
         if self._resave_after is not None:  # training ended before the workers' graphs ran compiled
             self._resave()

@@ -37,6 +37,7 @@ def compile_workers_first_step(monkeypatch: pytest.MonkeyPatch) -> None:
     each test starts with the mark as the process had it, no hold and no graph pending."""
     monkeypatch.setattr(compile_workers, "_first_step_done", compile_workers._first_step_done)
     monkeypatch.setattr(compile_workers, "_held", set())  # a failed test's hold stays with it
+    monkeypatch.setattr(compile_workers, "_kept", set())
     # Graphs a test left in the workers (its model gone) are not the next test's pending ones.
     monkeypatch.setattr(compile_workers, "_unswitched", [])
 

@@ -364,12 +364,14 @@ def test_with_auto_the_bench_steps_until_its_choice_is_made_before_warm_up() -> 
     auto has chosen, so that warm-up and timed steps run the chosen budget compiled."""
     from compile_accel.benchmarks.runner import _await_compile_workers
 
-    auto = SimpleNamespace(checking=0.7)
-    checks = iter([0.5, None])  # each step: 0.7 measured over the limit, then 0.5 chosen
+    auto = SimpleNamespace(waiting_for="the partitions of the traced step's graphs")
+    # Each step: the partitions back and 0.7 handed over, 0.7 measured over the limit and 0.5
+    # handed over, then 0.5 chosen.
+    waits = iter(["budget 0.7's graphs", "budget 0.5's graphs", None])
 
     def step() -> float:
-        auto.checking = next(checks)
+        auto.waiting_for = next(waits)
         return 0.0
 
     _await_compile_workers(step, [], 0.0, auto)
-    assert auto.checking is None and next(checks, "all used") == "all used"
+    assert auto.waiting_for is None and next(waits, "all used") == "all used"

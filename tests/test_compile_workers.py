@@ -11,6 +11,7 @@ eager value) below 1e-4 in float32, as tests/test_parity.py: inductor reorders r
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import subprocess
@@ -28,6 +29,7 @@ from torch import nn
 
 import compile_accel
 from compile_accel import CompileConfig, compile_workers
+from compile_accel.auto_budget import _InWorkers
 from compile_accel.backend import RegionBackend
 from compile_accel.compile_workers import WorkerGraph
 from compile_accel.stats import Stats
@@ -44,11 +46,13 @@ CONFIG = {"mode": "blocks", "activation_memory_budget": 0.5}
 
 
 class _GatedPool:
-    """The workers' pool, with every compile's result held back until `open()`: graphs handed to
-    the workers stay uncompiled however fast the workers are (auto's partitions come back)."""
+    """The workers' pool, with the results of one kind of job (default: every graph's compile;
+    auto's partitions are `compile_workers._compile_job`s) held back until `open()`: graphs handed
+    to the workers stay uncompiled however fast the workers are."""
 
-    def __init__(self, pool: Any) -> None:
+    def __init__(self, pool: Any, job: Callable = compile_workers._compile_in_worker) -> None:
         self._pool = pool
+        self._job = job
         self._opened = False
         self._lock = threading.Lock()
         self._pairs: list[tuple[concurrent.futures.Future, concurrent.futures.Future]] = []
@@ -63,7 +67,7 @@ class _GatedPool:
 
     def submit(self, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
         real = self._pool.submit(*args, **kwargs)
-        if args[0] is not compile_workers._compile_in_worker:
+        if args[0] is not self._job:
             return real
         gated: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
@@ -315,11 +319,13 @@ def test_graphs_inside_a_trainers_checkpoint_switch_between_steps_not_before_its
 def test_auto_trains_on_while_a_candidates_graphs_compile_and_measures_it_once_they_are_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """activation_memory_budget="auto" with workers: the first step predicts and hands the
-    candidate over without waiting for it, the traced step's own graphs (dynamo traces the
-    step once); graphs back are held uncompiled (also through a step while one of them is still
-    out) until a training step's calibration runs and measures them. Every step trains as eager
-    does."""
+    """activation_memory_budget="auto" with workers: the first step waits for neither the
+    workers' partitions of its traced step nor the candidate's compile. The steps run the
+    traced graphs uncompiled until the partitions are back (their calls not counted into the
+    prediction, the pool kept up); the step after predicts and hands the candidate over, the
+    traced step's own graphs (dynamo traces the step once); graphs back are held uncompiled
+    (also through a step while one of them is still out) until a training step's calibration
+    runs and measures them. Every step trains as eager does."""
     from torch._inductor.utils import clear_caches
 
     monkeypatch.setenv("COMPILE_ACCEL_CACHE_DIR", str(tmp_path / "compile_accel"))  # no cached choice
@@ -328,7 +334,8 @@ def test_auto_trains_on_while_a_candidates_graphs_compile_and_measures_it_once_t
     acceleration = compile_accel.apply(model, config)
     auto = acceleration.auto_budget
     auto.candidates = (0.0, 0.5)  # 0.5 predicted to fit 64 GiB: the one handed over
-    gate = compile_workers._pool = _GatedPool(compile_workers._pool)
+    partitions = _GatedPool(compile_workers._pool, job=compile_workers._compile_job)
+    gate = compile_workers._pool = _GatedPool(partitions)
     errors, traced = [], []
     trace = RegionBackend.__call__
     monkeypatch.setattr(RegionBackend, "__call__", lambda self, gm, inputs: traced.append(gm) or trace(self, gm, inputs))
@@ -340,12 +347,22 @@ def test_auto_trains_on_while_a_candidates_graphs_compile_and_measures_it_once_t
         errors.append(max(relative_error(loss, expected_loss), *map(relative_error, grads, expected_grads)))
 
     try:
+        train()  # the traced step, its partitions held in the workers
+        assert auto.waiting_for == "the partitions of the traced step's graphs" and auto.checking is None
+        assert compile_workers._kept == {id(auto)}
+        calls = [graph.calls for graph in auto._estimate.graphs]
         train()
-        train()
+        assert [graph.calls for graph in auto._estimate.graphs] == calls and sum(calls) > 0
+        assert auto.checking is None and acceleration.stats()["worker_graphs_started"] == 0
+        partitions.open()
+        compile_workers.wait()
+        train()  # predicts, hands 0.5 over
         assert auto.result is None and auto.checking == 0.5 and len(compile_workers._held) == 1
+        assert auto.waiting_for == "budget 0.5's graphs" and compile_workers._kept == set()
         started = acceleration.stats()["worker_graphs_started"]
         assert started > 0 and compile_workers.pending() == started
     finally:
+        partitions.open()
         gate.open()
     assert compile_workers.wait() == started
     switched = compile_workers.graphs_switched()
@@ -398,7 +415,8 @@ def test_auto_runs_its_traced_step_uncompiled_under_checkpoints_while_workers_pa
             patch.setattr(saved_bytes.SavedBytesEstimate, "_partition_traced", note)
             patch.setattr(saved_bytes, "partition_saved_bytes", note)
             patch.setattr(compile_workers, "checkpoint", counted_checkpoint)
-            predict(run, device, parameters, counts, limit=-1)  # the traced step alone
+            with contextlib.suppress(_InWorkers):  # (the workers' partitions not back yet)
+                predict(run, device, parameters, counts, limit=-1)  # the traced step alone
             added.extend(auto._estimate.added_bytes(budget) for budget in CANDIDATES)
         raise KeyboardInterrupt
 
@@ -484,6 +502,21 @@ def test_after_the_first_step_the_pool_stops_once_every_graph_is_back_and_starts
     assert len(_FakePool.made) == 2 and _FakePool.made[1].count == 3 and compile_workers.running()
     second.set_result("compiled")
     assert _FakePool.made[1].shut_down.wait(10) and not compile_workers.running()
+
+
+@pytest.mark.usefixtures("fake_pool")
+def test_a_kept_pool_stays_up_with_nothing_out_until_released() -> None:
+    """auto keeps the pool between its partitions' return and its candidate's hand-over."""
+    holder = object()
+    compile_workers.start(2)
+    compile_workers.keep_running(holder, True)
+    partitions = compile_workers._submit("partitions")
+    compile_workers.first_step_done()
+    partitions.set_result({})
+    (pool,) = _FakePool.made
+    assert not pool.shut_down.wait(0.5) and compile_workers.running()
+    compile_workers.keep_running(holder, False)
+    assert pool.shut_down.wait(10) and not compile_workers.running()
 
 
 @pytest.mark.usefixtures("fake_pool")

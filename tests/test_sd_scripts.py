@@ -444,31 +444,34 @@ def test_the_runs_compiled_graphs_are_saved_again_once_the_workers_graphs_run_co
 def test_while_auto_measures_a_candidate_from_the_workers_the_cache_waits_and_an_early_end_says_so(
     capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A candidate over the limit hands the next to the workers: the file waits for auto's
-    choice, not only for the graphs out at the first step; a run that ends before says that
-    auto did not finish."""
+    """The first step leaves auto's partitions in the workers, then a candidate over the limit
+    hands the next to the workers: the file waits for auto's choice, not only for the graphs out
+    at the first step (none here); a run that ends before says that auto did not finish."""
     model = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
     launch = accel.Launch()
     launch.acceleration = compile_accel.apply(model, CompileConfig(mode="off"), blocks=[model])
     stats = launch.acceleration._stats
-    auto = launch.acceleration.auto_budget = SimpleNamespace(checking=0.7, result=None, counted=lambda: stats)
+    partitions = "the partitions of the traced step's graphs"
+    auto = launch.acceleration.auto_budget = SimpleNamespace(waiting_for=partitions, result=None, counted=lambda: stats)
     launch.compile_cache = RunCompileCache(model, launch.acceleration.signature)
     launch.compile_cache._first_forward(model, (torch.randn(1, 2),), {})
     saves = []
     monkeypatch.setattr(launch.compile_cache, "save", lambda: saves.append(1) or 100)
-    stats.worker_graphs_started = 2
-    launch.step_done()  # the first step: 0.7's graphs in the workers
-    assert "auto measures budget 0.7 once its graphs are compiled" in capsys.readouterr().err
-    stats.worker_graphs_started, stats.worker_graphs_compiled, auto.checking = 4, 2, 0.5  # 0.7 over: 0.5 handed over
+    launch.step_done()  # the first step: no graph in the workers, auto's partitions are
+    assert f"auto goes on once {partitions} are back from the compile workers" in capsys.readouterr().err
+    stats.worker_graphs_started, auto.waiting_for = 2, "budget 0.7's graphs"  # back: 0.7 handed over
+    launch.step_done()
+    stats.worker_graphs_started, stats.worker_graphs_compiled = 4, 2  # 0.7 over: 0.5 handed over
+    auto.waiting_for = "budget 0.5's graphs"
     launch.step_done()
     assert saves == [1]  # 0.5's graphs are not in it yet
-    auto.checking, stats.worker_graphs_compiled = None, 4  # 0.5 measured and chosen
+    auto.waiting_for, stats.worker_graphs_compiled = None, 4  # 0.5 measured and chosen
     launch.step_done()
     assert saves == [1, 1]
-    auto.checking = 0.3  # (as if a run ended while a candidate was in the workers)
+    auto.waiting_for = "budget 0.3's graphs"  # (as if a run ended while a candidate was in the workers)
     launch.report()
     err = capsys.readouterr().err
-    assert "auto did not finish: training ended while budget 0.3 was compiling in the workers" in err
+    assert "auto did not finish: training ended while it waited for budget 0.3's graphs from the compile workers" in err
 
 
 @pytest.mark.parametrize("workers, seconds, hinted", [(None, 25.0, True), (None, 5.0, False), (4, 25.0, False)])
