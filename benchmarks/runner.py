@@ -398,12 +398,12 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
 def _await_compile_workers(
     step: Callable[[], float], gpus: list[torch.device], start: float, auto: AutoBudget | None
 ) -> dict[str, float]:
-    """After a first step that left graphs compiling in workers: the second step's seconds (its
-    graphs still compiling run uncompiled) and when, from the first step's start, the last
-    compiled graph was back. With auto, steps go on until its choice is made: the workers'
-    partitions of its traced step are read at the first step after they are back, which hands
-    a candidate's graphs over; a candidate is measured at the first step after its graphs are
-    back, and one over the limit hands the next to the workers."""
+    """After a first step that left graphs compiling in workers, or auto waiting for them: the
+    second step's seconds (its graphs still compiling run uncompiled) and when, from the first
+    step's start, the last compiled graph was back. With auto, steps go on until its choice is
+    made: the workers' partitions of its traced step are read at the first step after they are
+    back, which hands a candidate's graphs over; a candidate is measured at the first step after
+    its graphs are back, and one over the limit hands the next to the workers."""
     second_start = time.perf_counter()
     step()
     synchronize(gpus)

@@ -287,8 +287,8 @@ class _InWorkers(Exception):
 
 @dataclass
 class _Search:
-    """A calibration in progress: what it measures on, and what it found so far (kept while a
-    candidate's graphs are in the compile workers)."""
+    """A calibration in progress: what it measures on, and what it found so far (kept while it
+    waits for the compile workers: the traced step's partitions, or a candidate's graphs)."""
 
     run: Callable[[], None]  # the stand-in step on the calibration batch
     device: torch.device
@@ -379,7 +379,7 @@ class AutoBudget:
         if search is None:
             return None
         if search.in_workers is not None:
-            return f"{_setting(search.in_workers[1], search.in_workers[0], search.ladder)}'s graphs"
+            return f"the graphs of {_setting(search.in_workers[1], search.in_workers[0], search.ladder)}"
         if search.traced_peak is not None:
             return "the partitions of the traced step's graphs"
         return None
@@ -442,8 +442,8 @@ class AutoBudget:
         return None
 
     def calibrate(self, args: tuple, kwargs: dict) -> dict[str, Any] | None:
-        """Calibrate on this batch; the result, or None while a candidate's graphs are in the
-        compile workers (a later call, once they are back, goes on with the first call's batch)."""
+        """Calibrate on this batch; the result, or None while it waits for the compile workers
+        (`waiting_for`: a later call, once they are back, goes on with the first call's batch)."""
         if self._search is None:
             search = self._start(args, kwargs)
             if isinstance(search, dict):
@@ -637,15 +637,20 @@ class AutoBudget:
             finally:
                 estimate.end_step()
             logger.info("auto: traced step in %.1f s (peak %.2f GiB)", seconds, peak / GIB)
+            # Kept before the check: a partition back right after it must not stop the pool.
+            compile_workers.keep_running(self, True)
             if estimate.partitions_out():
                 search.traced_peak = peak
+                # The steps until then count into the Acceleration's stats (`counts` is absorbed
+                # into them at this call's end, before they run).
+                self.set_budget(self.candidates[0], self.stats, estimate=estimate)
                 raise _InWorkers(
                     "the compile workers partition the traced step's graphs; the steps run them uncompiled "
                     "under checkpoints until they are back, then a budget is picked"
                 )
         else:
             peak, search.traced_peak = search.traced_peak, None
-        logger.info("auto: partitioning the traced step's graphs ...")
+        logger.info("auto: predicting the budgets' peaks from the traced step's partitions ...")
         start = time.perf_counter()
         try:
             predict_largest_fitting(

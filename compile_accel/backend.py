@@ -200,8 +200,8 @@ class RegionBackend:
     traced it and runs it uncompiled while the worker partitions it at every candidate
     (`_traced_in_workers`); `adopt(budget)` then hands those graphs to the workers at the budget
     auto picked and makes this backend that budget's: dynamo's graphs and guards serve it, and
-    the picked budget is compiled without tracing the step again (10 s of sd-scripts' SDXL
-    U-Net's first step on an H200).
+    the picked budget is compiled without tracing the step again (a second trace took 10 s of
+    sd-scripts' SDXL U-Net's calibration on an H200).
     """
 
     def __init__(
@@ -287,15 +287,16 @@ class RegionBackend:
         """auto's traced step with compile workers: `gm` packed as dynamo traced it (inductor's
         passes may rewrite it), for `adopt`; a worker traces and partitions it at every
         candidate (compile_accel.saved_bytes) while it runs here uncompiled, under a checkpoint
-        where it trains. A graph that cannot be packed is traced and partitioned here, and the
-        picked budget traces the step again."""
+        where it trains (also in the training steps until auto picks a budget; a graph they
+        trace first is partitioned by no one). A graph that cannot be packed is traced and
+        partitioned here, and the picked budget traces the step again."""
         traced = compile_workers.pack_traced(gm, example_inputs, label)
         if traced is None:
             self.traced = None
             return self._compile_here(gm, example_inputs)
         training = torch.is_grad_enabled()
         record = None
-        if training:
+        if training and self._estimate.counting_calls:  # (a graph first traced after it: no prediction reads it)
             job = self._estimate.worker_job()
             with self._settings():  # the worker traces under them
                 partitions = compile_workers.run_in_worker(traced, job)

@@ -22,8 +22,8 @@ subprocess pool passes file descriptors to its children: not on Windows.
 GPU memory: a worker that compiled a graph holds a CUDA context of its own (~520 MiB each on an
 H100, torch 2.11: its fake CUDA tensors and the kernels it loads), outside the training
 process's memory. The pool stops once every graph handed to it is back and the first step is
-done (`first_step_done`; before that, after 60 s without a graph), which frees that memory; a
-later graph (new input shapes) starts a new pool.
+done (`first_step_done`; before that, after 60 s without a graph) and nobody keeps it
+(`keep_running`), which frees that memory; a later graph (new input shapes) starts a new pool.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import pickle
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -86,7 +87,7 @@ _unswitched: list[WorkerGraph] = []  # handed to the workers, not yet running co
 _first_step_done = False  # set by first_step_done(), for the rest of the process
 _switched = 0  # graphs handed to the workers that run compiled here now, for the rest of the process
 _held: set[int] = set()  # id()s of the Stats whose graphs hold_switches keeps uncompiled
-_kept: set[int] = set()  # id()s of the holders keep_running keeps the pool up for
+_kept: weakref.WeakSet = weakref.WeakSet()  # the holders keep_running keeps the pool up for
 _last_back = 0.0  # time.monotonic() when a graph last came back
 # Until the first step is done, an idle pool waits this long for more graphs: a first step hands
 # its graphs over in waves (sd-scripts' SDXL: 40 s apart on an H100, as dynamo and AOTAutograd
@@ -148,20 +149,20 @@ def _stop_when_idle() -> None:
 
 def first_step_done() -> None:
     """Say that the training's first step is done (the launcher and the bench do): the pool stops
-    now if no graph is out, else as soon as the last one is back, freeing the GPU memory its
-    workers hold. A graph after that (new input shapes) starts a new pool."""
+    now if no graph is out (and nobody keeps it), else as soon as the last one is back, freeing
+    the GPU memory its workers hold. A graph after that (new input shapes) starts a new pool."""
     global _first_step_done
     _first_step_done = True
     _stop_if_idle(_pool, 0.0)
 
 
 def keep_running(holder: object, kept: bool) -> None:
-    """While kept for some holder, the pool does not stop when nothing is out in it. Released,
-    it stops once idle as usual. (auto keeps it between its partitions' return and the next
-    step's hand-over of a candidate's graphs: a new pool takes seconds to start.)"""
+    """While kept for some holder (held weakly), the pool does not stop when nothing is out in it.
+    Released, it stops once idle as usual. (auto keeps it between its partitions' return and the
+    next step's hand-over of a candidate's graphs: a new pool takes seconds to start.)"""
     with _lock:
-        released = not kept and id(holder) in _kept
-        (_kept.add if kept else _kept.discard)(id(holder))
+        released = not kept and holder in _kept
+        (_kept.add if kept else _kept.discard)(holder)
     if released:
         _stop_when_idle()
 
@@ -190,7 +191,8 @@ def _stop_if_idle(pool: Any, idle_seconds: float) -> None:
 
 def running() -> bool:
     """Whether the worker pool is up: from `start` or the first graph handed over until no graph
-    is out and the first step is done (before that, after 60 s without one)."""
+    is out, nobody keeps it (`keep_running`) and the first step is done (before that, after 60 s
+    without one)."""
     with _lock:
         return _pool is not None
 
@@ -232,12 +234,11 @@ def graphs_switched() -> int:
 
 
 def wait() -> int:
-    """Wait until the workers are done with every graph and job (auto's partitions) handed to
-    them; returns `pending()` as it was before (not 0: those graphs switch to compiled in the
-    next step)."""
+    """Wait until the workers are done with every graph handed to them; returns `pending()` as it
+    was before (not 0: those graphs switch to compiled in the next step)."""
     waiting = pending()
     with _lock:
-        futures = [graph.future for graph in _unswitched if graph.future is not None] + _out
+        futures = [graph.future for graph in _unswitched if graph.future is not None]
     concurrent.futures.wait(futures)
     return waiting
 

@@ -45,6 +45,7 @@ import contextlib
 import copy
 import functools
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import astuple, dataclass, field
 from typing import Any, Callable, NoReturn
@@ -238,7 +239,7 @@ def partition_saved_bytes(
 @dataclass
 class GraphRecord:
     """One traced training graph: its joint graph, what each budget asked for saves, what the
-    traced step saved of it, and its calls in the current step."""
+    traced step saved of it, and its calls in the counted step (SavedBytesEstimate.new_step)."""
 
     # After the traced budget's partition; copies are partitioned again. None for a graph the
     # traced step ran uncompiled under a checkpoint (`partition_here` partitions it).
@@ -256,8 +257,9 @@ class GraphRecord:
     partition_here: Callable[[], dict[float, int]] | None = None
 
 
-# How long the prediction waits for a worker's partitions of a graph before partitioning it here
-# (sd-scripts' SDXL U-Net's largest graph: ~25 s in a worker on an H200's host).
+# How long after the counted step the workers have for their partitions of its graphs: a graph
+# still out then is partitioned here (sd-scripts' SDXL U-Net's largest graph: 28-31 s in a
+# worker on an H200's host).
 WORKER_PARTITIONS_TIMEOUT_SECONDS = 120.0
 
 
@@ -313,7 +315,8 @@ class SavedBytesEstimate:
         self.graphs: list[GraphRecord] = []
         self._partition = _inductor_partition()
         self._pending: GraphRecord | None = None  # partitioned, its forward not compiled yet
-        self._counting = False  # between new_step() and end_step()
+        self._in_counted_step = False  # between new_step() and end_step()
+        self._partitions_deadline = 0.0  # time.monotonic() by which the workers' partitions are due
 
     def backend(self) -> Callable:
         """An AOTAutograd backend (dynamo's graph in, a callable out) that records as above."""
@@ -332,19 +335,29 @@ class SavedBytesEstimate:
         training steps that run the traced graphs while workers partition them do not count)."""
         for graph in self.graphs:
             graph.calls = 0
-        self._counting = True
+        self._in_counted_step = True
 
     def end_step(self) -> None:
-        self._counting = False
+        """The counted step is over: later calls are not counted, and the workers' partitions of
+        its graphs are due within WORKER_PARTITIONS_TIMEOUT_SECONDS."""
+        self._in_counted_step = False
+        self._partitions_deadline = time.monotonic() + WORKER_PARTITIONS_TIMEOUT_SECONDS
+
+    @property
+    def counting_calls(self) -> bool:
+        return self._in_counted_step
 
     def called(self, graph: GraphRecord) -> None:
-        """One call of `graph` (counted inside a step only)."""
-        if self._counting:
+        """One call of `graph` (counted inside the counted step only)."""
+        if self._in_counted_step:
             graph.calls += 1
 
     def partitions_out(self) -> bool:
-        """Whether a compile worker is still partitioning a graph the counted step called."""
-        return any(g.calls and g.in_worker is not None and not g.in_worker.done() for g in self.graphs)
+        """Whether a compile worker is still partitioning a graph the counted step called, and
+        its time is not up."""
+        return time.monotonic() < self._partitions_deadline and any(
+            g.calls and g.in_worker is not None and not g.in_worker.done() for g in self.graphs
+        )
 
     def added_bytes(self, budget: float) -> int:
         """What the last step would have saved at `budget` beyond what the traced step kept
@@ -383,7 +396,7 @@ class SavedBytesEstimate:
         if budget not in graph.saved_bytes and graph.in_worker is not None:
             future, graph.in_worker = graph.in_worker, None
             try:
-                from_worker = future.result(timeout=WORKER_PARTITIONS_TIMEOUT_SECONDS)
+                from_worker = future.result(timeout=max(0.0, self._partitions_deadline - time.monotonic()))
                 graph.saved_bytes = {**self._every_budget(from_worker), **graph.saved_bytes}
             except Exception as error:  # the worker's error, or a worker stuck: the same partitions, here
                 warn(

@@ -531,10 +531,12 @@ class Launch:
         self._resave_after = None
         stats = self.acceleration.stats()
         saved = self.compile_cache.save()
-        _say(
-            f"{stats['worker_graphs_compiled']} of {stats['worker_graphs_started']} graphs from the compile workers "
-            "run compiled" + (f"; compiled graphs saved to {self.compile_cache.path}" if saved else "")
-        )
+        said = [f"compiled graphs saved to {self.compile_cache.path}"] if saved else []
+        if stats["worker_graphs_started"]:
+            compiled = f"{stats['worker_graphs_compiled']} of {stats['worker_graphs_started']}"
+            said.insert(0, f"{compiled} graphs from the compile workers run compiled")
+        if said:
+            _say("; ".join(said))
 
     def first_step_done(self) -> None:
         """Once, after the first backward: what compiling cost, and what auto chose."""
@@ -556,7 +558,8 @@ class Launch:
             saved = ", saved there" if self.compile_cache.save() else ""
             if waiting or self._auto_waiting_for() is not None:  # the file lacks them: saved again once back
                 self._resave_after = stats["worker_graphs_started"]
-                saved += " (again once the compile workers' graphs run compiled)"
+                compiled = "auto has chosen" if self._auto_waiting_for() else "the compile workers' graphs run compiled"
+                saved += f" (again once {compiled})"
             cache = f"; compiled graphs {loaded} {self.compile_cache.path}{saved}"
             precompiled = sum(f.precompiled.used for f in self.acceleration.functions)
             if precompiled:

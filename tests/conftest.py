@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import weakref
 
 # Compiles of identical graphs across tests hit this cache (.ci/run points it at a per-run dir).
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "compile_accel_tests_inductor"))
@@ -37,7 +38,7 @@ def compile_workers_first_step(monkeypatch: pytest.MonkeyPatch) -> None:
     each test starts with the mark as the process had it, no hold and no graph pending."""
     monkeypatch.setattr(compile_workers, "_first_step_done", compile_workers._first_step_done)
     monkeypatch.setattr(compile_workers, "_held", set())  # a failed test's hold stays with it
-    monkeypatch.setattr(compile_workers, "_kept", set())
+    monkeypatch.setattr(compile_workers, "_kept", weakref.WeakSet())
     # Graphs a test left in the workers (its model gone) are not the next test's pending ones.
     monkeypatch.setattr(compile_workers, "_unswitched", [])
 

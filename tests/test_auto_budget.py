@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import json
+import time
 
 import pytest
 import torch
@@ -312,6 +313,36 @@ def test_a_graph_no_worker_partitioned_is_partitioned_here_with_a_warning() -> N
     with pytest.warns(RuntimeWarning, match="did not partition a traced graph .*the worker died.*partitioning it here"):
         added = [estimate.added_bytes(budget) for budget in CANDIDATES]
     assert added == [3 * here[budget] for budget in CANDIDATES]
+
+
+def test_only_the_counted_step_counts_and_a_stuck_workers_partitions_are_done_here_after_the_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Calls count between new_step and end_step only (the training steps that run the traced
+    graphs while the workers partition them do not); a partition a worker has not answered is
+    out until WORKER_PARTITIONS_TIMEOUT_SECONDS after the step, then done here (warned about)
+    without waiting again."""
+    monkeypatch.setattr(saved_bytes, "WORKER_PARTITIONS_TIMEOUT_SECONDS", 0.3)
+    estimate = SavedBytesEstimate(CANDIDATES, CANDIDATES[0])
+    stuck: concurrent.futures.Future = concurrent.futures.Future()  # never answered
+    here = {budget: 1000 * (rank + 1) for rank, budget in enumerate(CANDIDATES)}
+    graph = estimate.add_checkpointed(stuck, lambda: here)
+    estimate.called(graph)  # before the step: not counted
+    estimate.new_step()
+    estimate.called(graph)
+    estimate.called(graph)
+    estimate.end_step()
+    estimate.called(graph)  # a training step after it: not counted
+    assert graph.calls == 2 and estimate.partitions_out()
+    deadline = time.monotonic() + 0.3
+    while estimate.partitions_out():
+        assert time.monotonic() < deadline + 1.0, "still out long after its deadline"
+        time.sleep(0.05)
+    start = time.monotonic()
+    with pytest.warns(RuntimeWarning, match="did not partition a traced graph .*TimeoutError.*partitioning it here"):
+        added = estimate.added_bytes(CANDIDATES[-1])
+    assert time.monotonic() - start < 0.2  # the deadline had passed: no second wait
+    assert added == 2 * here[CANDIDATES[-1]]
 
 
 def test_cudnn_attention_backward_gets_its_gradient_laid_out_as_the_output() -> None:

@@ -367,7 +367,7 @@ def test_with_auto_the_bench_steps_until_its_choice_is_made_before_warm_up() -> 
     auto = SimpleNamespace(waiting_for="the partitions of the traced step's graphs")
     # Each step: the partitions back and 0.7 handed over, 0.7 measured over the limit and 0.5
     # handed over, then 0.5 chosen.
-    waits = iter(["budget 0.7's graphs", "budget 0.5's graphs", None])
+    waits = iter(["the graphs of budget 0.7", "the graphs of budget 0.5", None])
 
     def step() -> float:
         auto.waiting_for = next(waits)

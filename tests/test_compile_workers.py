@@ -79,6 +79,8 @@ class _GatedPool:
 
     def open(self) -> None:
         with self._lock:
+            if self._opened:
+                return
             self._opened = True
             pairs = list(self._pairs)
         for real, gated in pairs:
@@ -349,16 +351,16 @@ def test_auto_trains_on_while_a_candidates_graphs_compile_and_measures_it_once_t
     try:
         train()  # the traced step, its partitions held in the workers
         assert auto.waiting_for == "the partitions of the traced step's graphs" and auto.checking is None
-        assert compile_workers._kept == {id(auto)}
+        assert set(compile_workers._kept) == {auto}
         calls = [graph.calls for graph in auto._estimate.graphs]
         train()
         assert [graph.calls for graph in auto._estimate.graphs] == calls and sum(calls) > 0
         assert auto.checking is None and acceleration.stats()["worker_graphs_started"] == 0
         partitions.open()
-        compile_workers.wait()
+        concurrent.futures.wait([graph.in_worker for graph in auto._estimate.graphs if graph.in_worker is not None])
         train()  # predicts, hands 0.5 over
         assert auto.result is None and auto.checking == 0.5 and len(compile_workers._held) == 1
-        assert auto.waiting_for == "budget 0.5's graphs" and compile_workers._kept == set()
+        assert auto.waiting_for == "the graphs of budget 0.5" and len(compile_workers._kept) == 0
         started = acceleration.stats()["worker_graphs_started"]
         assert started > 0 and compile_workers.pending() == started
     finally:
@@ -433,6 +435,7 @@ def test_auto_runs_its_traced_step_uncompiled_under_checkpoints_while_workers_pa
     assert added[-1] > added[0]  # the budgets differ: the test can tell them apart
     for graph in graphs:
         assert graph.saved_bytes == graph.partition_here()  # the worker's job, run here
+    assert len(compile_workers._kept) == 0  # released when calibration stopped
     acceleration.remove()
     torch._dynamo.reset()
 
@@ -507,7 +510,7 @@ def test_after_the_first_step_the_pool_stops_once_every_graph_is_back_and_starts
 @pytest.mark.usefixtures("fake_pool")
 def test_a_kept_pool_stays_up_with_nothing_out_until_released() -> None:
     """auto keeps the pool between its partitions' return and its candidate's hand-over."""
-    holder = object()
+    holder = type("Holder", (), {})()  # (as an AutoBudget: hashable, weakly referenced)
     compile_workers.start(2)
     compile_workers.keep_running(holder, True)
     partitions = compile_workers._submit("partitions")

@@ -458,20 +458,22 @@ def test_while_auto_measures_a_candidate_from_the_workers_the_cache_waits_and_an
     saves = []
     monkeypatch.setattr(launch.compile_cache, "save", lambda: saves.append(1) or 100)
     launch.step_done()  # the first step: no graph in the workers, auto's partitions are
-    assert f"auto goes on once {partitions} are back from the compile workers" in capsys.readouterr().err
-    stats.worker_graphs_started, auto.waiting_for = 2, "budget 0.7's graphs"  # back: 0.7 handed over
+    err = capsys.readouterr().err
+    assert f"auto goes on once {partitions} are back from the compile workers" in err
+    assert "(again once auto has chosen)" in err
+    stats.worker_graphs_started, auto.waiting_for = 2, "the graphs of budget 0.7"  # back: 0.7 handed over
     launch.step_done()
     stats.worker_graphs_started, stats.worker_graphs_compiled = 4, 2  # 0.7 over: 0.5 handed over
-    auto.waiting_for = "budget 0.5's graphs"
+    auto.waiting_for = "the graphs of budget 0.5"
     launch.step_done()
     assert saves == [1]  # 0.5's graphs are not in it yet
     auto.waiting_for, stats.worker_graphs_compiled = None, 4  # 0.5 measured and chosen
     launch.step_done()
     assert saves == [1, 1]
-    auto.waiting_for = "budget 0.3's graphs"  # (as if a run ended while a candidate was in the workers)
+    auto.waiting_for = "the graphs of budget 0.3"  # (as if a run ended while a candidate was in the workers)
     launch.report()
     err = capsys.readouterr().err
-    assert "auto did not finish: training ended while it waited for budget 0.3's graphs from the compile workers" in err
+    assert "auto did not finish: training ended while it waited for the graphs of budget 0.3 from the compile workers" in err
 
 
 @pytest.mark.parametrize("workers, seconds, hinted", [(None, 25.0, True), (None, 5.0, False), (4, 25.0, False)])
