@@ -82,7 +82,7 @@ UNSUPPORTED_WHY = (
 _lock = threading.Lock()
 _count = 0  # the pool's size, from the first apply() that asked for workers
 _pool: Any = None  # up from start() or the first graph handed over until idle (_stop_if_idle)
-_out: list[concurrent.futures.Future] = []  # the running pool's graphs not yet back
+_out: list[concurrent.futures.Future] = []  # the running pool's jobs not yet back
 _unswitched: list[WorkerGraph] = []  # handed to the workers, not yet running compiled
 _first_step_done = False  # set by first_step_done(), for the rest of the process
 _switched = 0  # graphs handed to the workers that run compiled here now, for the rest of the process
@@ -234,11 +234,12 @@ def graphs_switched() -> int:
 
 
 def wait() -> int:
-    """Wait until the workers are done with every graph handed to them; returns `pending()` as it
-    was before (not 0: those graphs switch to compiled in the next step)."""
+    """Wait until the workers are done with every job handed to them (graphs, auto's partitions,
+    precompiles); returns `pending()` as it was before (not 0: those graphs switch to compiled in
+    the next step)."""
     waiting = pending()
     with _lock:
-        futures = [graph.future for graph in _unswitched if graph.future is not None]
+        futures = [graph.future for graph in _unswitched if graph.future is not None] + _out
     concurrent.futures.wait(futures)
     return waiting
 

@@ -39,8 +39,9 @@ def compile_workers_first_step(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compile_workers, "_first_step_done", compile_workers._first_step_done)
     monkeypatch.setattr(compile_workers, "_held", set())  # a failed test's hold stays with it
     monkeypatch.setattr(compile_workers, "_kept", weakref.WeakSet())
-    # Graphs a test left in the workers (its model gone) are not the next test's pending ones.
+    # Graphs and jobs a test left in the workers (its model gone) are not the next test's.
     monkeypatch.setattr(compile_workers, "_unswitched", [])
+    monkeypatch.setattr(compile_workers, "_out", [])
 
 
 # Single-stream blocks only: one block class, whose compile is a fraction of the double-stream

@@ -357,7 +357,7 @@ def test_auto_trains_on_while_a_candidates_graphs_compile_and_measures_it_once_t
         assert [graph.calls for graph in auto._estimate.graphs] == calls and sum(calls) > 0
         assert auto.checking is None and acceleration.stats()["worker_graphs_started"] == 0
         partitions.open()
-        concurrent.futures.wait([graph.in_worker for graph in auto._estimate.graphs if graph.in_worker is not None])
+        compile_workers.wait()  # (auto's partitions)
         train()  # predicts, hands 0.5 over
         assert auto.result is None and auto.checking == 0.5 and len(compile_workers._held) == 1
         assert auto.waiting_for == "the graphs of budget 0.5" and len(compile_workers._kept) == 0
