@@ -637,8 +637,8 @@ class AutoBudget:
             finally:
                 estimate.end_step()
             logger.info("auto: traced step in %.1f s (peak %.2f GiB)", seconds, peak / GIB)
-            # Kept before the check: a partition back right after it must not stop the pool.
-            compile_workers.keep_running(self, True)
+            if compile_workers.running():  # kept before the check: a partition back right after must not stop it
+                compile_workers.keep_running(self, True)
             if estimate.partitions_out():
                 search.traced_peak = peak
                 # The steps until then count into the Acceleration's stats (`counts` is absorbed

@@ -473,7 +473,7 @@ def test_while_auto_measures_a_candidate_from_the_workers_the_cache_waits_and_an
     auto.waiting_for = "the graphs of budget 0.3"  # (as if a run ended while a candidate was in the workers)
     launch.report()
     err = capsys.readouterr().err
-    assert "auto did not finish: training ended while it waited for the graphs of budget 0.3 from the compile workers" in err
+    assert "auto did not finish: training ended while it waited for the graphs of budget 0.3 from the compile" in err
 
 
 @pytest.mark.parametrize("workers, seconds, hinted", [(None, 25.0, True), (None, 5.0, False), (4, 25.0, False)])
