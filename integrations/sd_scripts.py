@@ -545,20 +545,21 @@ class Launch:
         self._reported_first_step = True
         stats = self.acceleration.stats()
         auto = stats.get("auto_budget")
+        auto_waiting = self._auto_waiting_for()
         chose = ""
         if auto:
             offload = f" at {auto['offload_name']} {auto['offload']:g}" if auto["offload_name"] else ""
             chose = f"; auto chose budget {auto['budget']}{offload}{' (cached)' if auto['cached'] else ''}"
-        elif self._auto_waiting_for() is not None:
-            chose = f"; auto goes on once {self._auto_waiting_for()} are back from the compile workers"
+        elif auto_waiting is not None:
+            chose = f"; auto goes on once {auto_waiting} are back from the compile workers"
         waiting = stats["worker_graphs_started"] - self._graphs_back()
         cache = ""
         if self.compile_cache is not None and self.compile_cache.path is not None:
             loaded = "loaded from" if self.compile_cache.loaded else "not yet in"
             saved = ", saved there" if self.compile_cache.save() else ""
-            if waiting or self._auto_waiting_for() is not None:  # the file lacks them: saved again once back
+            if waiting or auto_waiting is not None:  # the file lacks them: saved again once back
                 self._resave_after = stats["worker_graphs_started"]
-                compiled = "auto has chosen" if self._auto_waiting_for() else "the compile workers' graphs run compiled"
+                compiled = "auto has chosen" if auto_waiting else "the compile workers' graphs run compiled"
                 saved += f" (again once {compiled})"
             cache = f"; compiled graphs {loaded} {self.compile_cache.path}{saved}"
             precompiled = sum(f.precompiled.used for f in self.acceleration.functions)
