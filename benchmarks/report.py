@@ -58,23 +58,31 @@ def markdown_table(report: dict[str, Any], baseline: str = "eager+ckpt") -> str:
 
 
 def compile_workers_table(report: dict[str, Any]) -> str:
-    """The modes that compiled in workers (--compile-workers): first and second step, and when the
-    last compiled graph was back, from the first step's start."""
+    """The modes that compiled in workers (--compile-workers): first and second step, when the
+    last compiled graph was back, from the first step's start, and the slowest graph's compile in
+    its worker (after its wait in the worker's queue) by phase."""
     rows = [r for r in report["results"] if "compile_workers" in r["stats"]]
     if not rows:
         return ""
     lines = [
         "Compiled in worker processes (steps run what is not back yet uncompiled):",
         "",
-        "| mode | first step s | second step s | all graphs compiled after s | graphs in workers | failed there |",
-        "|---|---|---|---|---|---|",
+        "| mode | first step s | second step s | all graphs compiled after s | graphs in workers | failed there "
+        "| slowest graph in a worker s (queued s; phases) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         s, w = r["stats"], r["stats"]["compile_workers"]
+        compiles = s.get("worker_compiles") or []
+        slowest = max(compiles, key=lambda c: c["worker_s"], default=None)
+        in_worker = "-"
+        if slowest is not None:
+            phases = ", ".join(f"{p} {slowest[p + '_s']:.1f}" for p in PHASES if slowest[p + "_s"] >= 0.05)
+            in_worker = f"{slowest['worker_s']:.1f} ({slowest['queued_s']:.1f}; {phases})"
         lines.append(
             f"| {r['mode']} | {r['first_step_s']:.1f} | {w['second_step_s']:.1f} | {w['compiled_after_s']:.1f} "
             f"| {s.get('worker_graphs_compiled', 0)} of {s.get('worker_graphs_started', 0)} "
-            f"| {len(s.get('worker_failures', []))} |"
+            f"| {len(s.get('worker_failures', []))} | {in_worker} |"
         )
     return "\n".join(lines)
 

@@ -86,6 +86,7 @@ class BenchSettings:
     blocks_to_swap: int | None = None
     vram_cap_gib: float | None = None
     compile_workers: int = 0
+    compile_workers_wait: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, device: str) -> BenchSettings:
@@ -188,6 +189,12 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
         help="compiled modes compile their graphs in N worker processes (CompileConfig.compile_workers); "
         "the second step is timed too (it runs what is not compiled yet uncompiled), then the bench waits for the "
         "workers and reports when the last graph was back",
+    )
+    parser.add_argument(
+        "--compile-workers-wait",
+        action="store_true",
+        help="with --compile-workers: the first step waits for the workers' graphs and loads them "
+        "(compile_workers.wait_and_load), so that every step after it runs compiled",
     )
 
 
@@ -295,6 +302,8 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
 
     start = time.perf_counter()
     step()
+    if settings.compile_workers_wait:
+        compile_workers.wait_and_load()
     synchronize(gpus)
     first = time.perf_counter() - start
     auto = acceleration.auto_budget
@@ -542,7 +551,10 @@ def main(argv: list[str] | None = None) -> None:
         # Windows builds of torch have no NCCL.
         dist.init_process_group("nccl" if args.device == "cuda" and dist.is_nccl_available() else "gloo")
     if spec.config.mode != "off" or spec.whole_model:
-        start_preloading()  # beside the model's build, as the sd-scripts launcher does beside the trainer's set-up
+        # Beside the model's build, as the sd-scripts launcher does beside the trainer's set-up.
+        start_preloading()
+        if settings.compile_workers and spec.config.mode != "off" and compile_workers.SUPPORTED:
+            compile_workers.start(settings.compile_workers)
     try:
         result = asdict(run_mode(spec, settings))
     except Exception as error:  # an OOM anywhere (building, compiling, a step) is a row; anything else fails the A/B

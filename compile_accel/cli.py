@@ -188,6 +188,7 @@ def bench(args: argparse.Namespace) -> int:
     from .benchmarks import runner
     from .benchmarks.modes import DEFAULT_MODES, parse_mode
     from .benchmarks.report import markdown_table, measured
+    from .compile_workers import WAIT_WITH_AUTO
     from .config import CUDA_GRAPH_MODES
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -202,6 +203,10 @@ def bench(args: argparse.Namespace) -> int:
     auto = [s.name for s in specs if s.config.activation_memory_budget == "auto"]
     if auto and device == "cpu" and args.vram_limit_gib is None:
         return _refuse(f"{auto[0]} on the CPU needs --vram-limit-gib (the limit for the bytes saved for backward)")
+    if args.compile_workers_wait and not args.compile_workers:
+        return _refuse("--compile-workers-wait waits for the compile workers: give --compile-workers N too")
+    if args.compile_workers_wait and auto:
+        return _refuse(f"--compile-workers-wait: {auto[0]} {WAIT_WITH_AUTO}")
     refusal = _sd_scripts_option_refusal(args, specs) or _vram_cap_refusal(args, device)
     if refusal:
         return _refuse(refusal)

@@ -50,7 +50,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
+from .compile_profile import CompileClock, CompileTimes
 from .dynamo_settings import HAS_EAGER_BACKWARD_KNOB
+from .preload import preload_inductor
 from .stats import Stats, warn
 
 try:  # torch >= 2.8: the graph pickler (fake tensors included) and AOTAutograd's cache lookup
@@ -89,6 +91,12 @@ _switched = 0  # graphs handed to the workers that run compiled here now, for th
 _held: set[int] = set()  # id()s of the Stats whose graphs hold_switches keeps uncompiled
 _kept: weakref.WeakSet = weakref.WeakSet()  # the holders keep_running keeps the pool up for
 _last_back = 0.0  # time.monotonic() when a graph last came back
+# Each worker's inductor compiles its kernels in a pool of its own, sized as if this many graphs
+# compiled at once (a DiT's blocks make 2-3 graphs: sd-scripts' Flux, Lumina 2), so that a few
+# graphs get the whole CPU; more (SDXL's dozens) share it, the cores oversubscribed at most this
+# many times over. With 2 kernel threads per worker (16 cores, 8 workers), sd-scripts' Flux
+# graphs waited 3.4-3.7 s for their kernels, with 8 0.3-0.5 s (benchmarks/results/h200_worker_warm_up/).
+GRAPHS_AT_ONCE = 4
 # Until the first step is done, an idle pool waits this long for more graphs: a first step hands
 # its graphs over in waves (sd-scripts' SDXL: 40 s apart on an H100, as dynamo and AOTAutograd
 # reach the next blocks, or the backward's), and a new pool takes seconds to start.
@@ -97,8 +105,8 @@ IDLE_SECONDS_BEFORE_FIRST_STEP_DONE = 60.0
 
 def start(count: int) -> None:
     """Start the pool of `count` compile workers now, so that it is up by the first step (a later
-    count is ignored). Each worker's inductor compiles its kernels with its share of the CPU
-    cores, so N workers do not start N full kernel-compile pools."""
+    count is ignored). Each worker's inductor compiles its kernels with a share of the CPU cores
+    (GRAPHS_AT_ONCE), so N workers do not start N full kernel-compile pools."""
     global _count
     with _lock:
         _count = _count or count
@@ -114,13 +122,17 @@ def _running_pool() -> Any:
     if _pool is None:
         from torch._inductor.compile_worker.subproc_pool import SubprocKind, SubprocPool
 
-        threads = str(max(1, (os.cpu_count() or 1) // _count))
+        threads = str(max(1, (os.cpu_count() or 1) // min(_count, GRAPHS_AT_ONCE)))
         # Read by each worker's inductor when it is imported there; the pool's processes take the
         # environment as it is now.
         with mock.patch.dict(os.environ, {"TORCHINDUCTOR_COMPILE_THREADS": threads}):
             _pool = SubprocPool(_count, kind=SubprocKind.SPAWN)
         atexit.register(_pool.shutdown)
         logger.info("started %d compile workers", _count)
+        # One per worker, as each starts (a worker may take two: the second costs nothing); not
+        # in _out, which is the graphs' jobs.
+        for _ in range(_count):
+            _pool.submit(_get_ready)
     return _pool
 
 
@@ -242,6 +254,29 @@ def wait() -> int:
         futures = [graph.future for graph in _unswitched if graph.future is not None] + _out
     concurrent.futures.wait(futures)
     return waiting
+
+
+# Why waiting at the first step (wait_and_load) is refused with activation_memory_budget="auto".
+WAIT_WITH_AUTO = (
+    "measures its candidates in the steps after the first, each once its graphs are back from the workers: "
+    "the steps until it has chosen run uncompiled whether the first step waits or not"
+)
+
+
+def wait_and_load() -> int:
+    """Wait until the workers are done with every job (`wait`), then load each graph they compiled
+    here now rather than at its next call, and return how many. A trainer that wants every step
+    after the first to run compiled calls it at the end of its first step (the sd-scripts
+    launcher's and the bench's `--compile_workers_wait`): that step then lasts until the slowest
+    graph is back, the graphs compiling at the same time in the workers. Between steps only: a
+    graph that a trainer's checkpoint recomputes must not change within a step. Graphs that auto
+    holds (`hold_switches`) stay as they are."""
+    wait()
+    with _lock:
+        graphs = [graph for graph in _still_unswitched() if id(graph._stats) not in _held]
+    for graph in graphs:
+        graph._switch()
+    return len(graphs)
 
 
 def step_started() -> None:
@@ -423,9 +458,21 @@ def _job(packed: bytes, compiler: Callable, state: dict[str, Any] | None = None)
     )
 
 
+def _get_ready() -> None:
+    """In a worker, before its first graph: import inductor's compiler and start inductor's own
+    kernel-compile pool, without waiting for it. Cold, a worker's first graph did both inside its
+    compile: the imports took seconds, and until its kernel pool was up inductor compiled the
+    kernels one after another in the worker (benchmarks/results/h200_worker_warm_up/)."""
+    preload_inductor()
+    from torch._inductor.async_compile import AsyncCompile
+
+    AsyncCompile.use_process_pool()  # starts the pool; True once it is up
+
+
 def _compile_job(job: bytes, env: dict[str, str]) -> Callable:
     """In a worker: compile a _job's graph as the training process would."""
     os.environ.update(env)  # the training process's cache directories
+    _get_ready()  # (where the warm-up job did not reach this worker first)
     packed, compiler, inductor_settings, functorch_settings, state = pickle.loads(job)
     torch._inductor.config.load_config(inductor_settings)
     torch._functorch.config.load_config(functorch_settings)
@@ -433,12 +480,23 @@ def _compile_job(job: bytes, env: dict[str, str]) -> Callable:
         return _compile_packed(packed, compiler)
 
 
-def _compile_in_worker(job: bytes, env: dict[str, str]) -> dict[str, int]:
-    """In a worker: compile one graph into the caches the training process reads. Returns
-    AOTAutograd's cache counters of the compile (a bypass: the caches cannot hold it)."""
+@dataclass
+class WorkerCompile:
+    """What a worker reports of one graph's compile."""
+
+    aot_autograd: dict[str, int]  # AOTAutograd's cache counters of it (a bypass: the caches cannot hold it)
+    started: float  # time.time() when the worker took it up
+    seconds: float  # from then until the caches held it
+    times: CompileTimes  # where those seconds went, by torch's compile timers in the worker
+
+
+def _compile_in_worker(job: bytes, env: dict[str, str]) -> WorkerCompile:
+    """In a worker: compile one graph into the caches the training process reads."""
+    started, clock = time.time(), CompileClock()
     counted = torch._dynamo.utils.counters["aot_autograd"].copy()
     _compile_job(job, env)
-    return dict(torch._dynamo.utils.counters["aot_autograd"] - counted)
+    counters = dict(torch._dynamo.utils.counters["aot_autograd"] - counted)
+    return WorkerCompile(counters, started, time.time() - started, clock.since())
 
 
 def _precompile_in_worker(job: bytes, env: dict[str, str]) -> bytes:
@@ -512,7 +570,9 @@ class WorkerGraph:
 
     checkpointed: the graph runs under a checkpoint of its own until compiled (a budget replaced
     the block's checkpointing), and may switch at any call. Otherwise a trainer's checkpoint may
-    run it again in the backward, so it switches only at a call after `step_started`."""
+    run it again in the backward, so it switches only at a call after `step_started`. state:
+    grad mode, autocast, ... as the graph was handed over (`_runtime_state`), which its compile
+    here is under."""
 
     def __init__(
         self,
@@ -523,8 +583,10 @@ class WorkerGraph:
         stats: Stats,
         label: str,
         checkpointed: bool,
+        state: dict[str, Any] | None = None,
     ) -> None:
         self._gm = gm
+        self._state = _runtime_state() if state is None else state  # (as handed over; default: now)
         self._packed = packed
         self._compile_here = compile_here
         self.future: concurrent.futures.Future | None = future
@@ -534,6 +596,7 @@ class WorkerGraph:
         self.back_at_step_start = False
         self._compiled: Callable | None = None
         self._switch_lock = threading.Lock()
+        self._handed_over = time.time()  # (a hair after the submit; WorkerCompile.started is on this clock)
         with _lock:
             _unswitched.append(self)
 
@@ -554,17 +617,18 @@ class WorkerGraph:
             future, self.future = self.future, None
             if future is None:
                 return
-            problem = None
+            problem, report = None, None
             try:
-                if future.result().get("autograd_cache_bypass"):
+                report = future.result()
+                if report.aot_autograd.get("autograd_cache_bypass"):
                     problem = "AOTAutograd's cache cannot hold it (the worker's torch logged why)"
             except Exception as error:  # the worker's compile error
                 problem = f"{type(error).__name__}: {error}"
             hits = _aot_cache_hits()
             start = time.perf_counter()
             try:
-                with _unseen_by_checkpoints():
-                    self._compiled = _compile_packed(self._packed, self._compile_here)
+                # Under the state the worker compiled it in: wait_and_load runs outside the step.
+                self._compiled = _compile_packed_here(self._packed, self._compile_here, self._state)
             except Exception as error:
                 self._stats.worker_failures.append(f"{self._label}: {problem or ''} {type(error).__name__}: {error}".strip())
                 warn(f"{self._label} did not compile in a worker ({problem}) nor here, and keeps running uncompiled: {error}")
@@ -579,9 +643,18 @@ class WorkerGraph:
                 warn(f"{self._label} did not compile in a worker ({problem}); compiled in this process ({seconds:.1f} s)")
                 return
             self._stats.worker_graphs_compiled += 1
+            queued = max(0.0, report.started - self._handed_over)
+            self._stats.worker_compiles.append(
+                {"graph": self._label, "queued_s": round(queued, 3), "worker_s": round(report.seconds, 3),
+                 "load_s": round(seconds, 3), **report.times.as_dict()}
+            )
             logger.info(
-                "%s: back from a compile worker, loaded from the caches in %.1f s (%d of %d graphs handed to the workers)",
+                "%s: compiled in a worker in %.1f s after %.1f s in its queue (%s), loaded from the caches in %.1f s "
+                "(%d of %d graphs handed to the workers)",
                 self._label,
+                report.seconds,
+                queued,
+                report.times.summary(),
                 seconds,
                 self._stats.worker_graphs_compiled,
                 self._stats.worker_graphs_started,
@@ -631,15 +704,22 @@ def run_in_worker(graph: TracedGraph, compiler: Callable) -> concurrent.futures.
     return _submitted(_compile_job, graph, compiler)
 
 
-def run_here(graph: TracedGraph, compiler: Callable) -> Any:
-    """What `compiler` returns for a traced graph, in this process as a worker would run it (from
-    its packed form, under the state of its trace); this process's flags are put back after."""
+def _compile_packed_here(packed: bytes, compiler: Callable, state: dict[str, Any]) -> Any:
+    """_compile_packed in this process under `state` (the graph's at its trace, as its worker
+    compiled it: AOTAutograd's cache key holds grad mode and autocast); this process's flags are
+    put back after."""
     here = _runtime_state()
     try:
-        with _unseen_by_checkpoints(), _in_runtime_state(graph.state):
-            return _compile_packed(graph.packed, compiler)
+        with _unseen_by_checkpoints(), _in_runtime_state(state):
+            return _compile_packed(packed, compiler)
     finally:
         _set_flags(here)
+
+
+def run_here(graph: TracedGraph, compiler: Callable) -> Any:
+    """What `compiler` returns for a traced graph, in this process as a worker would run it (from
+    its packed form, under the state of its trace)."""
+    return _compile_packed_here(graph.packed, compiler, graph.state)
 
 
 def hand_over(graph: TracedGraph, compiler: Callable, compile_here: Callable, stats: Stats) -> WorkerGraph:
@@ -648,7 +728,7 @@ def hand_over(graph: TracedGraph, compiler: Callable, compile_here: Callable, st
     graph no pool takes counts as one whose worker failed: compiled here at its next call."""
     future = _submitted(_compile_in_worker, graph, compiler)
     stats.worker_graphs_started += 1
-    return WorkerGraph(graph.gm, graph.packed, compile_here, future, stats, graph.label, checkpointed=True)
+    return WorkerGraph(graph.gm, graph.packed, compile_here, future, stats, graph.label, True, graph.state)
 
 
 def compile_in_workers(
@@ -680,9 +760,10 @@ def compile_in_workers(
     try:
         if isinstance(packed, str):
             raise RuntimeError(packed)
-        future = _submit(_compile_in_worker, _job(packed, compiler), _cache_env())
+        state = _runtime_state()
+        future = _submit(_compile_in_worker, _job(packed, compiler, state), _cache_env())
     except Exception as error:  # a graph or setting that does not pickle; no pool could start
         warn(f"{label} could not be handed to a compile worker ({error}); it compiles in this process")
         return compile_here(gm, example_inputs)
     stats.worker_graphs_started += 1
-    return WorkerGraph(gm, packed, compile_here, future, stats, label, checkpointed)
+    return WorkerGraph(gm, packed, compile_here, future, stats, label, checkpointed, state)

@@ -30,7 +30,9 @@ _lock = threading.Lock()
 _thread: threading.Thread | None = None
 
 
-def _preload() -> None:
+def preload_inductor() -> None:
+    """Import inductor's compiler and hash Triton's sources, here (the compile workers do it
+    first thing too). An error is left to the first compile, which raises it with its traceback."""
     try:
         import torch._inductor.compile_fx  # noqa: F401  (the lowerings and kernel templates come with it)
         from torch.utils._triton import has_triton_package
@@ -39,7 +41,7 @@ def _preload() -> None:
             from torch._inductor.runtime.triton_compat import triton_key
 
             triton_key()  # cached by Triton: inductor's cache keys read it from here on
-    except Exception as error:  # the first compile imports it again and raises with its traceback
+    except Exception as error:
         logger.debug("preloading inductor failed: %s: %s", type(error).__name__, error)
 
 
@@ -50,7 +52,7 @@ def start_preloading() -> None:
     global _thread
     with _lock:
         if _thread is None:
-            _thread = threading.Thread(target=_preload, name="compile_accel-preload", daemon=True)
+            _thread = threading.Thread(target=preload_inductor, name="compile_accel-preload", daemon=True)
             _thread.start()
 
 

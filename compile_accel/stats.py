@@ -46,10 +46,12 @@ class Stats:
     still_checkpointed: list[str] = field(default_factory=list)
     uncalled_regions: list[str] = field(default_factory=list)
     # CompileConfig.compile_workers: graphs handed to the workers, those back and switched to,
-    # and those whose compile failed there (they run uncompiled).
+    # and those whose compile failed there (they run uncompiled); per graph back, where the time
+    # went (seconds in the worker's queue, compiling there, loading here; the worker's phases).
     worker_graphs_started: int = 0
     worker_graphs_compiled: int = 0
     worker_failures: list[str] = field(default_factory=list)
+    worker_compiles: list[dict[str, Any]] = field(default_factory=list)
     # Graphs compiled with CUDA graphs asked for (CompileConfig.compile_mode); inductor may still
     # run one without (torch._dynamo.utils.counters["inductor"]["cudagraph_skips"], logged).
     cuda_graph_graphs: int = 0
@@ -74,6 +76,7 @@ class Stats:
         self.worker_graphs_started += other.worker_graphs_started
         self.worker_graphs_compiled += other.worker_graphs_compiled
         self.worker_failures += other.worker_failures
+        self.worker_compiles += other.worker_compiles
         self.cuda_graph_graphs += other.cuda_graph_graphs
 
     def as_dict(self) -> dict[str, Any]:
@@ -94,6 +97,7 @@ class Stats:
             "worker_graphs_started": self.worker_graphs_started,
             "worker_graphs_compiled": self.worker_graphs_compiled,
             "worker_failures": list(self.worker_failures),
+            "worker_compiles": list(self.worker_compiles),
             "cuda_graph_graphs": self.cuda_graph_graphs,
         }
 

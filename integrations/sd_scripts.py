@@ -352,6 +352,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "back (not on Windows)",
         )
         group.add_argument(
+            "--compile_workers_wait",
+            action="store_true",
+            help="with --compile_workers: the first step waits until every graph is back from the workers, which "
+            "compile them at the same time, so that every step after it runs compiled",
+        )
+        group.add_argument(
             "--compile_cuda_graphs",
             action="store_true",
             help="with --activation_memory_budget B or auto: replay each compiled block as a CUDA graph (inductor's "
@@ -378,10 +384,11 @@ def config_from_args(args: argparse.Namespace) -> CompileConfig | None:
             or args.compile_recompile_limit != CompileConfig.recompile_limit
             or args.no_compile_cache
             or args.compile_workers
+            or args.compile_workers_wait
             or args.compile_cuda_graphs
         ):
             raise LaunchError(
-                "--compile_dynamic, --compile_recompile_limit, --no_compile_cache, --compile_workers and "
+                "--compile_dynamic, --compile_recompile_limit, --no_compile_cache, --compile_workers(_wait) and "
                 "--compile_cuda_graphs need --selective_torch_compile or --activation_memory_budget"
             )
         return None
@@ -398,6 +405,10 @@ def config_from_args(args: argparse.Namespace) -> CompileConfig | None:
         )
     if getattr(args, "deepspeed", False):
         raise LaunchError(f"{asked} does not support --deepspeed (its model wrapper hides the blocks)")
+    if args.compile_workers_wait and not args.compile_workers:
+        raise LaunchError("--compile_workers_wait waits for the compile workers: give --compile_workers N too")
+    if args.compile_workers_wait and budget == "auto":
+        raise LaunchError(f"--compile_workers_wait: --activation_memory_budget auto {compile_workers.WAIT_WITH_AUTO}")
     if args.compile_workers and not compile_workers.SUPPORTED:
         raise LaunchError(
             f"--compile_workers {compile_workers.UNSUPPORTED_WHY} (this is torch {torch.__version__} on "
@@ -464,8 +475,10 @@ class Launch:
             self.args = namespace
             if self.config is not None:
                 # The script's own set-up (weights, latents, text encoders) runs beside the
-                # preload until accelerate(), at Accelerator.prepare.
+                # preload and the compile workers' start until accelerate(), at Accelerator.prepare.
                 start_preloading()
+                if self.config.compile_workers:
+                    compile_workers.start(self.config.compile_workers)
             return namespace, rest
 
         parser.parse_known_args = checked
@@ -543,6 +556,9 @@ class Launch:
         if self.acceleration is None or self._reported_first_step:
             return
         self._reported_first_step = True
+        # (Before the stats and the cache's save below: they see the workers' graphs compiled.)
+        waiting_asked = self.args is not None and self.args.compile_workers_wait
+        waited_for = compile_workers.wait_and_load() if waiting_asked else None
         stats = self.acceleration.stats()
         auto = stats.get("auto_budget")
         auto_waiting = self._auto_waiting_for()
@@ -567,7 +583,9 @@ class Launch:
                 cache += f", {precompiled} of them precompiled at an earlier start (run without dynamo's trace)"
         times = self.acceleration.compile_times()
         could_use_workers = not self.acceleration.config.compile_workers and compile_workers.SUPPORTED
-        if waiting:
+        if waited_for is not None:
+            workers = f"; waited for the {waited_for} graphs compiling in the workers (--compile_workers_wait)"
+        elif waiting:
             workers = (
                 f"; {waiting} graphs from the compile workers not running compiled yet (run uncompiled until then; "
                 "the compile_accel log says when each does)"

@@ -206,6 +206,10 @@ def test_bench_refuses_counts_out_of_range(capsys, no_mode_runs, flag: str, valu
     "flags, message",
     [
         (["--modes", "blocks+auto", "--device", "cpu"], "blocks+auto on the CPU needs --vram-limit-gib"),
+        (["--device", "cpu", "--compile-workers-wait"], "--compile-workers-wait waits for the compile workers: give "
+         "--compile-workers N too"),
+        (["--modes", "blocks+auto", "--device", "cpu", "--vram-limit-gib", "1", "--compile-workers", "2",
+          "--compile-workers-wait"], "--compile-workers-wait: blocks+auto measures its candidates in the steps after"),
         pytest.param(
             ["--device", "cuda"],
             "sees no CUDA device",

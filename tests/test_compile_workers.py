@@ -31,7 +31,8 @@ import compile_accel
 from compile_accel import CompileConfig, compile_workers
 from compile_accel.auto_budget import _InWorkers
 from compile_accel.backend import RegionBackend
-from compile_accel.compile_workers import WorkerGraph
+from compile_accel.compile_profile import CompileClock
+from compile_accel.compile_workers import WorkerCompile, WorkerGraph
 from compile_accel.stats import Stats
 
 pytestmark = pytest.mark.skipif(
@@ -196,6 +197,13 @@ def test_training_with_workers_matches_eager_before_and_after_the_compiled_graph
     assert after["worker_failures"] == []
     assert after["recompiles"] == 0 and after["fallbacks"] == []
     assert after["compiled_regions"] == after["regions"] > 0
+    # Each graph back says where its time went: inductor compiled it in the worker (cold), within
+    # the seconds the worker spent on it.
+    compiles = after["worker_compiles"]
+    assert len(compiles) == after["worker_graphs_started"]
+    for report in compiles:
+        assert report["fx_graphs_compiled"] > 0 and report["fx_graphs_from_cache"] == 0, report
+        assert 0 < report["total_s"] <= report["worker_s"] and report["load_s"] > 0, report
     # The workers compiled them (this module's cache was empty): here each was looked up in
     # AOTAutograd's cache once before it was handed over (a miss) and loaded from it once back.
     assert trained["aot_counters"].get("autograd_cache_miss", 0) == after["worker_graphs_started"]
@@ -446,11 +454,12 @@ class _FakePool:
     made: list[_FakePool] = []
 
     def __init__(self, count: int, kind: Any) -> None:
-        self.count, self.futures, self.shut_down = count, [], threading.Event()
+        self.count, self.futures, self.jobs, self.shut_down = count, [], [], threading.Event()
         self.threads = os.environ["TORCHINDUCTOR_COMPILE_THREADS"]
         _FakePool.made.append(self)
 
     def submit(self, *args: Any) -> concurrent.futures.Future:
+        self.jobs.append(args)
         self.futures.append(concurrent.futures.Future())
         return self.futures[-1]
 
@@ -479,6 +488,8 @@ def test_before_the_first_step_is_done_an_idle_pool_waits_for_more_graphs(monkey
     (pool,) = _FakePool.made
     assert (pool.count, pool.threads) == (3, "4")  # each worker's share of the 12 cores
     assert os.environ.get("TORCHINDUCTOR_COMPILE_THREADS") == threads_here  # set for the workers only
+    # Each worker gets ready for its first graph as it starts (not a graph: not waited for).
+    assert pool.jobs == [(compile_workers._get_ready,)] * 3 and compile_workers._out == []
     first = compile_workers._submit("graph 0")
     first.set_result("compiled")
     assert compile_workers.running()  # nothing out, but idle for less than 2 s
@@ -633,11 +644,15 @@ class _WorkerError(RuntimeError):
     pass
 
 
+def _report(**aot_autograd: int) -> WorkerCompile:
+    return WorkerCompile(aot_autograd, time.time(), 1.0, CompileClock().since())
+
+
 OUTCOMES = {
     # what the worker's future gives -> why the graph compiled here
     "raised": (_WorkerError("inductor raised in the worker"), r"_WorkerError: inductor raised in the worker"),
-    "bypassed": ({"autograd_cache_bypass": 1}, r"AOTAutograd's cache cannot hold it"),
-    "not_cached": ({"autograd_cache_miss": 1, "autograd_cache_saved": 1}, r"what it compiled was not found"),
+    "bypassed": (_report(autograd_cache_bypass=1), r"AOTAutograd's cache cannot hold it"),
+    "not_cached": (_report(autograd_cache_miss=1, autograd_cache_saved=1), r"what it compiled was not found"),
 }
 
 
@@ -698,6 +713,44 @@ def test_a_graph_that_compiles_neither_in_a_worker_nor_here_keeps_running_uncomp
     torch.testing.assert_close(graph(y)[0], _sine(y), rtol=0, atol=0)
     assert len(stats.worker_failures) == 1 and stats.worker_graphs_compiled == 0
     assert compile_workers.graphs_switched() == switched_before  # still uncompiled: nothing new to save
+
+
+def test_wait_and_load_waits_for_the_workers_then_loads_their_graphs_before_their_next_call() -> None:
+    """--compile_workers_wait: the end of the first step waits for the workers and loads what they
+    compiled, so that the next step runs compiled from its first call; auto's held graphs stay."""
+    x = torch.randn(3, 4)
+    gm, inputs = _traced(_sine, x)
+    packed = compile_workers._pack_graph(gm, inputs)
+
+    def compile_here(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        # Under autocast, as handed over in the step (AOTAutograd's cache key holds it), not as now.
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        torch._dynamo.utils.counters["aot_autograd"]["autograd_cache_hit"] += 1  # as a load of the workers' entry
+        return lambda t: (t * 100.0,)  # tells which one ran
+
+    stats, held_stats = Stats(), Stats()
+    back_later: concurrent.futures.Future = concurrent.futures.Future()
+    back_already: concurrent.futures.Future = concurrent.futures.Future()
+    back_already.set_result(_report())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        graph = WorkerGraph(gm, packed, compile_here, back_later, stats, "graph 9/0", checkpointed=False)
+        held = WorkerGraph(gm, packed, compile_here, back_already, held_stats, "graph 9/1", checkpointed=False)
+    compile_workers.hold_switches(held_stats, True)
+    timer = threading.Timer(0.3, back_later.set_result, args=(_report(),))
+    started = time.monotonic()
+    timer.start()
+    try:
+        assert compile_workers.wait_and_load() == 1
+        assert time.monotonic() - started >= 0.25  # it waited for the worker
+        # Compiled at its next call, though no step has started since it was back.
+        torch.testing.assert_close(graph(x)[0], x * 100.0, rtol=0, atol=0)
+        assert stats.worker_graphs_compiled == 1 and [c["graph"] for c in stats.worker_compiles] == ["graph 9/0"]
+        torch.testing.assert_close(held(x)[0], _sine(x), rtol=0, atol=0)  # held by auto: uncompiled
+    finally:
+        compile_workers.hold_switches(held_stats, False)
+    assert compile_workers.wait_and_load() == 1 and compile_workers.pending() == 0  # released: loaded too
+    torch.testing.assert_close(held(x)[0], x * 100.0, rtol=0, atol=0)
+    assert not torch.is_autocast_enabled("cpu")  # put back
 
 
 @pytest.mark.parametrize("checkpointed", [True, False])

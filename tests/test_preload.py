@@ -22,7 +22,7 @@ def test_apply_waits_for_a_preload_still_running(monkeypatch: pytest.MonkeyPatch
         done.set()
 
     monkeypatch.setattr(preload, "_thread", None)
-    monkeypatch.setattr(preload, "_preload", slow_preload)
+    monkeypatch.setattr(preload, "preload_inductor", slow_preload)
     model, _ = build()
     compile_accel.start_preloading()
     acceleration = compile_accel.apply(model, CompileConfig(mode="off"))
@@ -35,5 +35,5 @@ def test_a_failing_preload_logs_and_raises_nothing(
 ) -> None:
     monkeypatch.setitem(sys.modules, "torch._inductor.compile_fx", None)  # importing it raises ModuleNotFoundError
     with caplog.at_level(logging.DEBUG, logger="compile_accel"):
-        preload._preload()
+        preload.preload_inductor()
     assert "preloading inductor failed: ModuleNotFoundError" in caplog.text

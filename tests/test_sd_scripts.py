@@ -128,23 +128,26 @@ def test_launcher_forms_run_the_script_with_the_blocks_compiled(checkout: Path, 
 
 PRELOAD_SCRIPT = """
 import argparse, json, sys
-from compile_accel import preload
+from compile_accel import compile_workers, preload
 from library import train_util
 
 parser = argparse.ArgumentParser()
 train_util.add_training_arguments(parser, True)
 parser.parse_args()
-started = preload._thread is not None
+started, workers = preload._thread is not None, compile_workers.running()
 preload.wait_for_preload()
-print(json.dumps({"started": started, "inductor": "torch._inductor.compile_fx" in sys.modules}))
+print(json.dumps({"started": started, "inductor": "torch._inductor.compile_fx" in sys.modules, "workers": workers}))
 """
 
 
-def test_launcher_preloads_inductor_once_the_flags_ask_for_a_compile(checkout: Path) -> None:
+def test_launcher_preloads_inductor_and_starts_the_workers_once_the_flags_ask_for_a_compile(checkout: Path) -> None:
     (checkout / "setup.py").write_text(PRELOAD_SCRIPT)
-    assert _result(_launch(str(checkout / "setup.py")))["started"] is False
+    assert _result(_launch(str(checkout / "setup.py"))) == {"started": False, "inductor": False, "workers": False}
     compiled = _launch(str(checkout / "setup.py"), env={accel.SELECTIVE_ENV: "1"})
-    assert _result(compiled) == {"started": True, "inductor": True}
+    assert _result(compiled) == {"started": True, "inductor": True, "workers": False}
+    if compile_workers.SUPPORTED:  # started before the script's set-up, not at apply()
+        with_workers = _launch(str(checkout / "setup.py"), "--compile_workers", "2", env={accel.SELECTIVE_ENV: "1"})
+        assert _result(with_workers) == {"started": True, "inductor": True, "workers": True}
 
 
 def test_script_name_resolves_against_sd_scripts_dir(checkout: Path) -> None:
@@ -233,6 +236,16 @@ def test_bad_budget_is_an_argparse_error(value: str) -> None:
             ["--selective_torch_compile", "--compile_cuda_graphs"],
             {"blocks_to_swap": 8},
             "--compile_cuda_graphs: a CUDA graph records the blocks' weights where they are, and --blocks_to_swap",
+        ),
+        (
+            ["--selective_torch_compile", "--compile_workers_wait"],
+            {},
+            "--compile_workers_wait waits for the compile workers: give --compile_workers N too",
+        ),
+        (
+            ["--activation_memory_budget", "auto", "--compile_workers", "2", "--compile_workers_wait"],
+            {},
+            "--compile_workers_wait: --activation_memory_budget auto measures its candidates in the steps after",
         ),
     ],
 )
@@ -389,6 +402,25 @@ def test_the_first_step_reports_compile_time_once(capsys: pytest.CaptureFixture)
         "compile_accel: first step done: 0.0 s compiling (nothing); no inductor graph looked up; "
         "0 graphs, 0 recompiles, 0 fallbacks"
     ]
+
+
+def test_with_compile_workers_wait_the_first_step_loads_the_workers_graphs_and_says_so(
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+    launch = accel.Launch()
+    launch.args = _parse("--selective_torch_compile", "--compile_workers", "2", "--compile_workers_wait")
+    launch.acceleration = compile_accel.apply(model, CompileConfig(mode="off"), blocks=[model])
+    stats = launch.acceleration._stats
+
+    def loaded() -> int:  # what the workers compiled, loaded here
+        stats.worker_graphs_started = stats.worker_graphs_compiled = 3
+        return 3
+
+    monkeypatch.setattr(compile_workers, "wait_and_load", loaded)
+    launch.first_step_done()
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "first step done" in line]
+    assert line.endswith("; waited for the 3 graphs compiling in the workers (--compile_workers_wait)")
 
 
 def test_the_first_step_says_how_many_graphs_are_still_compiling_in_the_workers(capsys: pytest.CaptureFixture) -> None:
