@@ -255,10 +255,11 @@ class RegionBackend:
         self.in_workers = True
         stats.signatures |= self.stats.signatures  # a graph traced again counts as a recompile
         self.stats = stats
+        cuda_graphs = self._config.compile_mode in CUDA_GRAPH_MODES
         with self._settings():  # the workers compile under them
             for graph, call in self.traced:
-                call.target = compile_workers.hand_over(graph, self.inner, self._compile_here, stats)
-        if self._config.compile_mode in CUDA_GRAPH_MODES:
+                call.target = compile_workers.hand_over(graph, self.inner, self._compile_here, stats, cuda_graphs)
+        if cuda_graphs:
             stats.cuda_graph_graphs += len(self.traced)
         self.traced = None
         return True
@@ -349,6 +350,7 @@ class RegionBackend:
                     label,
                     # The budget replaced the block's checkpointing: until compiled, checkpoint it.
                     checkpointed=self.budget is not None,
+                    cuda_graphs=cuda_graphs,
                 )
         elif self.traced is not None:
             compiled = self._traced_in_workers(gm, example_inputs, label)

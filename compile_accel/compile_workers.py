@@ -46,6 +46,7 @@ from unittest import mock
 import torch
 import torch._functorch.config
 import torch._inductor.config
+import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
@@ -265,17 +266,19 @@ WAIT_WITH_AUTO = (
 
 def wait_and_load() -> int:
     """Wait until the workers are done with every job (`wait`), then load each graph they compiled
-    here now rather than at its next call, and return how many. A trainer that wants every step
-    after the first to run compiled calls it at the end of its first step (the sd-scripts
-    launcher's and the bench's `--compile_workers_wait`): that step then lasts until the slowest
-    graph is back, the graphs compiling at the same time in the workers. Between steps only: a
-    graph that a trainer's checkpoint recomputes must not change within a step. Graphs that auto
-    holds (`hold_switches`) stay as they are."""
+    here now rather than at its next call, run it once (`WorkerGraph.run_once_on_stand_ins`), and
+    return how many. A trainer that wants every step after the first to run compiled, as fast as
+    the ones after it, calls it at the end of its first step (the sd-scripts launcher's and the
+    bench's `--compile_workers_wait`): that step then lasts until the slowest graph is back, the
+    graphs compiling at the same time in the workers. Between steps only: a graph that a
+    trainer's checkpoint recomputes must not change within a step. Graphs that auto holds
+    (`hold_switches`) stay as they are."""
     wait()
     with _lock:
         graphs = [graph for graph in _still_unswitched() if id(graph._stats) not in _held]
     for graph in graphs:
         graph._switch()
+        graph.run_once_on_stand_ins()
     return len(graphs)
 
 
@@ -572,7 +575,7 @@ class WorkerGraph:
     the block's checkpointing), and may switch at any call. Otherwise a trainer's checkpoint may
     run it again in the backward, so it switches only at a call after `step_started`. state:
     grad mode, autocast, ... as the graph was handed over (`_runtime_state`), which its compile
-    here is under."""
+    here is under. cuda_graphs: compiled to replay as a CUDA graph."""
 
     def __init__(
         self,
@@ -584,8 +587,10 @@ class WorkerGraph:
         label: str,
         checkpointed: bool,
         state: dict[str, Any] | None = None,
+        cuda_graphs: bool = False,
     ) -> None:
         self._gm = gm
+        self._cuda_graphs = cuda_graphs
         self._state = _runtime_state() if state is None else state  # (as handed over; default: now)
         self._packed = packed
         self._compile_here = compile_here
@@ -661,6 +666,43 @@ class WorkerGraph:
             )
 
 
+    def run_once_on_stand_ins(self) -> None:
+        """Run the compiled graph once, forward and backward, on zeros shaped as its inputs, under
+        the state it was handed over in, the random-number state put back: its kernels' first run
+        (autotuning, loading) is paid here rather than in the next step, as compiling in this
+        process pays it in the first step (benchmarks/results/h200_worker_warm_up/: 0.5-1.4 s).
+        Not for a graph replayed as a CUDA graph (zeros at other addresses than the weights it
+        records), nor one not compiled here. A failure is warned about: the graph runs as it is."""
+        if self._compiled is None or self._cuda_graphs:
+            return
+        fakes = [node.meta.get("example_value") for node in self._gm.graph.find_nodes(op="placeholder")]
+        if not all(isinstance(fake, torch.Tensor) for fake in fakes):
+            return  # (non-tensor inputs: graphs with them are not handed over)
+        devices = sorted({fake.device for fake in fakes if fake.device.type == "cuda"}, key=str)
+        here = _runtime_state()
+        try:
+            with torch.random.fork_rng(devices=devices), _unseen_by_checkpoints(), _in_runtime_state(self._state):
+                stand_ins = [_zeros_like(fake) for fake in fakes]
+                outputs = [out for out in pytree.tree_leaves(self._compiled(*stand_ins)) if _wants_grad(out)]
+                if outputs:
+                    torch.autograd.backward(outputs, [torch.ones_like(out) for out in outputs])
+        except Exception as error:
+            warn(f"{self._label}: its first run on stand-in inputs failed ({type(error).__name__}: {error}); "
+                 "it runs compiled from its next call, which pays its kernels' first run")
+        finally:
+            _set_flags(here)
+
+
+def _zeros_like(fake: torch.Tensor) -> torch.Tensor:
+    """A real tensor of `fake`'s shape, strides, dtype and device, zeros, a leaf needing grad as it did."""
+    zeros = torch.empty_strided(fake.shape, fake.stride(), dtype=fake.dtype, device=fake.device).zero_()
+    return zeros.requires_grad_(fake.requires_grad)
+
+
+def _wants_grad(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.requires_grad
+
+
 def _cache_env() -> dict[str, str]:
     # The worker writes where this process reads.
     return {name: os.environ[name] for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR") if name in os.environ}
@@ -722,13 +764,15 @@ def run_here(graph: TracedGraph, compiler: Callable) -> Any:
     return _compile_packed_here(graph.packed, compiler, graph.state)
 
 
-def hand_over(graph: TracedGraph, compiler: Callable, compile_here: Callable, stats: Stats) -> WorkerGraph:
+def hand_over(
+    graph: TracedGraph, compiler: Callable, compile_here: Callable, stats: Stats, cuda_graphs: bool
+) -> WorkerGraph:
     """A traced graph's compile under the settings in force now, handed to a worker; the graph
     runs uncompiled under a checkpoint until it is back (arguments as `compile_in_workers`). A
     graph no pool takes counts as one whose worker failed: compiled here at its next call."""
     future = _submitted(_compile_in_worker, graph, compiler)
     stats.worker_graphs_started += 1
-    return WorkerGraph(graph.gm, graph.packed, compile_here, future, stats, graph.label, True, graph.state)
+    return WorkerGraph(graph.gm, graph.packed, compile_here, future, stats, graph.label, True, graph.state, cuda_graphs)
 
 
 def compile_in_workers(
@@ -739,13 +783,15 @@ def compile_in_workers(
     stats: Stats,
     label: str,
     checkpointed: bool,
+    cuda_graphs: bool = False,
 ) -> Callable:
     """What a region's backend returns for `gm` with workers (`start` first): the graph loaded
     from the caches if they hold it, else a WorkerGraph whose worker compiles it.
 
     compiler: the backend a worker compiles with (picklable), under the settings in force now.
     compile_here(gm, inputs): compiles in this process with those settings. checkpointed: run
-    the graph under a non-reentrant checkpoint until it is compiled."""
+    the graph under a non-reentrant checkpoint until it is compiled. cuda_graphs: `compiler`
+    records CUDA graphs."""
     if not should_use_local_autograd_cache():
         warn(f"{label} compiles in this process: compile workers need AOTAutograd's local cache, which is off")
         return compile_here(gm, example_inputs)
@@ -766,4 +812,4 @@ def compile_in_workers(
         warn(f"{label} could not be handed to a compile worker ({error}); it compiles in this process")
         return compile_here(gm, example_inputs)
     stats.worker_graphs_started += 1
-    return WorkerGraph(gm, packed, compile_here, future, stats, label, checkpointed, state)
+    return WorkerGraph(gm, packed, compile_here, future, stats, label, checkpointed, state, cuda_graphs)

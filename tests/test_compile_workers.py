@@ -753,6 +753,42 @@ def test_wait_and_load_waits_for_the_workers_then_loads_their_graphs_before_thei
     assert not torch.is_autocast_enabled("cpu")  # put back
 
 
+def test_wait_and_load_runs_each_loaded_graph_once_on_zeros_and_leaves_the_training_as_it_was() -> None:
+    """Its kernels' first run (autotuning, loading) falls in the first step, not the second; the
+    stand-ins' gradients and the random numbers drawn are not the training's."""
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(3, 4)
+    gm, inputs = _traced(lambda t, weight: (t @ weight).sin() * torch.rand(1), x, w)
+    runs: list[tuple] = []
+
+    def compile_here(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        torch._dynamo.utils.counters["aot_autograd"]["autograd_cache_hit"] += 1  # as a load of the workers' entry
+
+        def run(*args: torch.Tensor) -> Any:
+            runs.append(args)
+            return graph.forward(*args)
+
+        return run
+
+    back: concurrent.futures.Future = concurrent.futures.Future()
+    back.set_result(_report())
+    graph = WorkerGraph(gm, compile_workers._pack_graph(gm, inputs), compile_here, back, Stats(), "graph 10/0", True)
+    recorded = WorkerGraph(gm, compile_workers._pack_graph(gm, inputs), compile_here, back, Stats(), "graph 10/1", True,
+                           cuda_graphs=True)
+    rng = torch.get_rng_state()
+    assert compile_workers.wait_and_load() == 2
+    (stand_ins,) = runs  # the CUDA graph's is not run: zeros are not where its weights are
+    assert [(t.shape, t.stride(), t.requires_grad) for t in stand_ins] == [
+        (t.shape, t.stride(), t.requires_grad) for t in inputs
+    ]
+    assert all(not t.any() for t in stand_ins)
+    assert stand_ins[1].grad is not None  # the backward ran, into the stand-in
+    assert w.grad is None and torch.equal(torch.get_rng_state(), rng)  # the training's own untouched
+    graph(x, w)[0].sum().backward()
+    recorded(x, w)
+    assert len(runs) == 3 and w.grad is not None  # both compiled, on the real inputs
+
+
 @pytest.mark.parametrize("checkpointed", [True, False])
 def test_until_it_is_compiled_a_budgeted_graph_runs_under_a_checkpoint(checkpointed: bool) -> None:
     """A budget switched the block's own checkpointing off: uncompiled, the graph recomputes its
