@@ -80,11 +80,15 @@ def compile_workers_table(report: dict[str, Any]) -> str:
             phases = ", ".join(f"{p} {slowest[p + '_s']:.1f}" for p in PHASES if slowest[p + "_s"] >= 0.05)
             in_worker = f"{slowest['worker_s']:.1f} ({slowest['queued_s']:.1f}; {phases})"
         lines.append(
-            f"| {r['mode']} | {r['first_step_s']:.1f} | {w['second_step_s']:.1f} | {w['compiled_after_s']:.1f} "
+            f"| {r['mode']} | {r['first_step_s']:.1f} | {_seconds(w['second_step_s'])} | {w['compiled_after_s']:.1f} "
             f"| {s.get('worker_graphs_compiled', 0)} of {s.get('worker_graphs_started', 0)} "
             f"| {len(s.get('worker_failures', []))} | {in_worker} |"
         )
     return "\n".join(lines)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def cap_note(report: dict[str, Any]) -> str:

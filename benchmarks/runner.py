@@ -309,6 +309,8 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
     auto = acceleration.auto_budget
     waiting = compile_workers.pending() or (auto is not None and auto.waiting_for is not None)
     workers = _await_compile_workers(step, gpus, start, auto) if waiting else None
+    if workers is None and settings.compile_workers_wait:  # every graph back and loaded in the first step
+        workers = {"second_step_s": None, "compiled_after_s": first}
     if run_cache is not None and _rank() == 0:  # as the launcher: before the worker pool stops
         run_cache.save()
     compile_workers.first_step_done()  # the pool stops once its graphs are back

@@ -94,9 +94,10 @@ _kept: weakref.WeakSet = weakref.WeakSet()  # the holders keep_running keeps the
 _last_back = 0.0  # time.monotonic() when a graph last came back
 # Each worker's inductor compiles its kernels in a pool of its own, sized as if this many graphs
 # compiled at once (a DiT's blocks make 2-3 graphs: sd-scripts' Flux, Lumina 2), so that a few
-# graphs get the whole CPU; more (SDXL's dozens) share it, the cores oversubscribed at most this
-# many times over. With 2 kernel threads per worker (16 cores, 8 workers), sd-scripts' Flux
-# graphs waited 3.4-3.7 s for their kernels, with 8 0.3-0.5 s (benchmarks/results/h200_worker_warm_up/).
+# graphs get the training process's share of the CPU; more (SDXL's dozens) share it, N workers
+# oversubscribing it N / GRAPHS_AT_ONCE times over. With 2 kernel threads per worker (16 cores, 8
+# workers), sd-scripts' Flux graphs waited 3.4-3.7 s for their kernels, with 8 0.3-0.5 s
+# (benchmarks/results/h200_worker_warm_up/).
 GRAPHS_AT_ONCE = 4
 # Until the first step is done, an idle pool waits this long for more graphs: a first step hands
 # its graphs over in waves (sd-scripts' SDXL: 40 s apart on an H100, as dynamo and AOTAutograd
@@ -123,7 +124,9 @@ def _running_pool() -> Any:
     if _pool is None:
         from torch._inductor.compile_worker.subproc_pool import SubprocKind, SubprocPool
 
-        threads = str(max(1, (os.cpu_count() or 1) // min(_count, GRAPHS_AT_ONCE)))
+        # (Every training process on this host has workers: DDP's share the cores too.)
+        processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        threads = str(max(1, (os.cpu_count() or 1) // (min(_count, GRAPHS_AT_ONCE) * processes)))
         # Read by each worker's inductor when it is imported there; the pool's processes take the
         # environment as it is now.
         with mock.patch.dict(os.environ, {"TORCHINDUCTOR_COMPILE_THREADS": threads}):
@@ -133,8 +136,14 @@ def _running_pool() -> Any:
         # One per worker, as each starts (a worker may take two: the second costs nothing); not
         # in _out, which is the graphs' jobs.
         for _ in range(_count):
-            _pool.submit(_get_ready)
+            _pool.submit(_get_ready).add_done_callback(_log_not_ready)
     return _pool
+
+
+def _log_not_ready(future: concurrent.futures.Future) -> None:
+    # A graph's compile in that worker gets ready again first, and fails there with the error.
+    if future.exception() is not None:
+        logger.debug("a compile worker could not get ready: %r", future.exception())
 
 
 def _submit(*args: Any) -> concurrent.futures.Future:
@@ -196,10 +205,24 @@ def _stop_if_idle(pool: Any, idle_seconds: float) -> None:
         ):
             return
         _pool = None
+    _shut_down(pool)
+    logger.info("no graph is out in the compile workers: workers stopped, their GPU memory freed")
+
+
+def stop() -> None:
+    """Stop the pool now, if one runs (a run that compiles nothing after all: the sd-scripts
+    launcher falling back to eager after it started the workers)."""
+    global _pool
+    with _lock:
+        pool, _pool = _pool, None
+    if pool is not None:
+        _shut_down(pool)
+
+
+def _shut_down(pool: Any) -> None:
     atexit.unregister(pool.shutdown)
     # In a thread of its own: shutdown() joins the pool's reader thread.
     threading.Thread(target=pool.shutdown, name="compile_accel-workers-shutdown", daemon=True).start()
-    logger.info("no graph is out in the compile workers: workers stopped, their GPU memory freed")
 
 
 def running() -> bool:
@@ -268,11 +291,11 @@ def wait_and_load() -> int:
     """Wait until the workers are done with every job (`wait`), then load each graph they compiled
     here now rather than at its next call, run it once (`WorkerGraph.run_once_on_stand_ins`), and
     return how many. A trainer that wants every step after the first to run compiled, as fast as
-    the ones after it, calls it at the end of its first step (the sd-scripts launcher's and the
-    bench's `--compile_workers_wait`): that step then lasts until the slowest graph is back, the
-    graphs compiling at the same time in the workers. Between steps only: a graph that a
-    trainer's checkpoint recomputes must not change within a step. Graphs that auto holds
-    (`hold_switches`) stay as they are."""
+    the ones after it, calls it at the end of its first step (the sd-scripts launcher's
+    `--compile_workers_wait`, the bench's `--compile-workers-wait`): that step then lasts until
+    the slowest graph is back, the graphs compiling at the same time in the workers. Between
+    steps only: a graph that a trainer's checkpoint recomputes must not change within a step.
+    Graphs that auto holds (`hold_switches`) stay as they are."""
     wait()
     with _lock:
         graphs = [graph for graph in _still_unswitched() if id(graph._stats) not in _held]
@@ -363,8 +386,8 @@ def _set_flags(state: dict[str, Any]) -> None:
 
 @contextlib.contextmanager
 def _in_runtime_state(state: dict[str, Any]) -> Iterator[None]:
-    """In a worker: the flags set for good (each graph sets its own), grad mode and autocast
-    around the compile."""
+    """The flags set for good (in a worker each graph sets its own; here the caller puts them
+    back), grad mode and autocast around the compile."""
     _set_flags(state)
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.set_grad_enabled(state["grad"]))
@@ -671,13 +694,17 @@ class WorkerGraph:
         the state it was handed over in, the random-number state put back: its kernels' first run
         (autotuning, loading) is paid here rather than in the next step, as compiling in this
         process pays it in the first step (benchmarks/results/h200_worker_warm_up/: 0.5-1.4 s).
-        Not for a graph replayed as a CUDA graph (zeros at other addresses than the weights it
-        records), nor one not compiled here. A failure is warned about: the graph runs as it is."""
+        It takes one block's weights (copies) and activations of memory, freed after. Not for a
+        graph replayed as a CUDA graph (zeros at other addresses than the weights it records), one
+        with integer inputs (indices: zeros may index out of bounds, which a kernel asserts), nor
+        one not compiled here. A failure is warned about: the graph runs as it is."""
         if self._compiled is None or self._cuda_graphs:
             return
         fakes = [node.meta.get("example_value") for node in self._gm.graph.find_nodes(op="placeholder")]
         if not all(isinstance(fake, torch.Tensor) for fake in fakes):
             return  # (non-tensor inputs: graphs with them are not handed over)
+        if any(not (fake.is_floating_point() or fake.dtype == torch.bool) for fake in fakes):
+            return
         devices = sorted({fake.device for fake in fakes if fake.device.type == "cuda"}, key=str)
         here = _runtime_state()
         try:
@@ -686,7 +713,11 @@ class WorkerGraph:
                 outputs = [out for out in pytree.tree_leaves(self._compiled(*stand_ins)) if _wants_grad(out)]
                 if outputs:
                     torch.autograd.backward(outputs, [torch.ones_like(out) for out in outputs])
+                for device in devices:  # a kernel's error shows here, not in the next step
+                    torch.cuda.synchronize(device)
         except Exception as error:
+            if isinstance(error, torch.OutOfMemoryError):
+                torch.cuda.empty_cache()  # what the run took is the training's again
             warn(f"{self._label}: its first run on stand-in inputs failed ({type(error).__name__}: {error}); "
                  "it runs compiled from its next call, which pays its kernels' first run")
         finally:

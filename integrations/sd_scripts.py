@@ -477,8 +477,10 @@ class Launch:
                 # The script's own set-up (weights, latents, text encoders) runs beside the
                 # preload and the compile workers' start until accelerate(), at Accelerator.prepare.
                 start_preloading()
-                if self.config.compile_workers:
-                    compile_workers.start(self.config.compile_workers)
+            if self.config is not None and self.config.compile_workers:
+                compile_workers.start(self.config.compile_workers)
+            else:  # (a --config_file that compiles nothing after a command line that did)
+                compile_workers.stop()
             return namespace, rest
 
         parser.parse_known_args = checked
@@ -496,6 +498,7 @@ class Launch:
                 raise LaunchError(f"--activation_memory_budget needs inductor, which cannot run here: {missing}")
             _say(f"{missing}; training continues eager")
             self.config = None
+            compile_workers.stop()
             return
         try:
             self.acceleration = apply(model, self.config)
@@ -558,7 +561,7 @@ class Launch:
         self._reported_first_step = True
         # (Before the stats and the cache's save below: they see the workers' graphs compiled.)
         waiting_asked = self.args is not None and self.args.compile_workers_wait
-        waited_for = compile_workers.wait_and_load() if waiting_asked else None
+        waited_for = compile_workers.wait_and_load() if waiting_asked else 0
         stats = self.acceleration.stats()
         auto = stats.get("auto_budget")
         auto_waiting = self._auto_waiting_for()
@@ -583,7 +586,7 @@ class Launch:
                 cache += f", {precompiled} of them precompiled at an earlier start (run without dynamo's trace)"
         times = self.acceleration.compile_times()
         could_use_workers = not self.acceleration.config.compile_workers and compile_workers.SUPPORTED
-        if waited_for is not None:
+        if waited_for:
             workers = f"; waited for the {waited_for} graphs compiling in the workers (--compile_workers_wait)"
         elif waiting:
             workers = (

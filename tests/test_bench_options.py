@@ -252,20 +252,24 @@ def test_the_workers_table_names_the_slowest_graph_in_a_worker_by_phase() -> Non
     from compile_accel.benchmarks.report import compile_workers_table
 
     def compiled(worker_s: float, queued_s: float, aot_s: float) -> dict:
-        phases = {"dynamo_s": 0.0, "guards_s": 0.0, "aot_s": aot_s, "inductor_s": 2.0, "kernels_s": 0.01, "autotune_s": 0.0}
+        phases = {"dynamo_s": 0.0, "guards_s": 0.0, "aot_s": aot_s, "inductor_s": 2.0, "kernels_s": 0.01,
+                  "autotune_s": 0.0}
         return {"graph": "g", "worker_s": worker_s, "queued_s": queued_s, "load_s": 1.0, **phases}
 
-    def row(mode: str, compiles: list[dict]) -> dict:
-        workers = {"second_step_s": 2.0, "compiled_after_s": 20.0}
+    def row(mode: str, compiles: list[dict], second_step_s: float | None = 2.0) -> dict:
+        workers = {"second_step_s": second_step_s, "compiled_after_s": 20.0}
         stats = {"worker_graphs_started": 2, "worker_graphs_compiled": len(compiles), "worker_failures": [],
                  "worker_compiles": compiles, "compile_workers": workers}
         return {"mode": mode, "first_step_s": 9.0, "stats": stats}
 
     report = {"results": [row("blocks+budget=0.5", [compiled(4.0, 0.0, 1.0), compiled(7.5, 0.5, 3.0)]),
-                          row("selective+ckpt", []), {"mode": "eager+ckpt", "stats": {}}]}
+                          row("selective+ckpt", []), {"mode": "eager+ckpt", "stats": {}},
+                          row("blocks+budget=1.0", [compiled(3.0, 0.0, 1.0)], second_step_s=None)]}
     lines = compile_workers_table(report).splitlines()
     assert lines[4].endswith("| 2 of 2 | 0 | 7.5 (0.5; aot 3.0, inductor 2.0) |")  # kernels under 0.05 s left out
-    assert lines[5].endswith("| 0 of 2 | 0 | - |") and len(lines) == 6  # no eager row
+    assert lines[5].endswith("| 0 of 2 | 0 | - |")
+    # --compile-workers-wait: every graph was back within the first step, no second step of its own.
+    assert lines[6].startswith("| blocks+budget=1.0 | 9.0 | - | 20.0 |") and len(lines) == 7  # no eager row
 
 
 # ---- the sd-scripts models at small sizes ($SD_SCRIPTS_DIR) --------------------------------

@@ -753,40 +753,78 @@ def test_wait_and_load_waits_for_the_workers_then_loads_their_graphs_before_thei
     assert not torch.is_autocast_enabled("cpu")  # put back
 
 
-def test_wait_and_load_runs_each_loaded_graph_once_on_zeros_and_leaves_the_training_as_it_was() -> None:
-    """Its kernels' first run (autotuning, loading) falls in the first step, not the second; the
-    stand-ins' gradients and the random numbers drawn are not the training's."""
-    w = torch.randn(4, 4, requires_grad=True)
-    x = torch.randn(3, 4)
-    gm, inputs = _traced(lambda t, weight: (t @ weight).sin() * torch.rand(1), x, w)
-    runs: list[tuple] = []
+def _loaded_by_hand(runs: list, fails: bool = False) -> Callable:
+    """A compile_here that loads as from the workers' entry: its graph, recording each call's
+    inputs and the autocast it ran under; `fails`: raises on zeros."""
 
     def compile_here(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
-        torch._dynamo.utils.counters["aot_autograd"]["autograd_cache_hit"] += 1  # as a load of the workers' entry
+        torch._dynamo.utils.counters["aot_autograd"]["autograd_cache_hit"] += 1
 
         def run(*args: torch.Tensor) -> Any:
-            runs.append(args)
+            runs.append((args, torch.is_autocast_enabled("cpu")))
+            if fails and not any(t.any() for t in args):
+                raise RuntimeError("no kernel for zeros")
             return graph.forward(*args)
 
         return run
 
-    back: concurrent.futures.Future = concurrent.futures.Future()
-    back.set_result(_report())
-    graph = WorkerGraph(gm, compile_workers._pack_graph(gm, inputs), compile_here, back, Stats(), "graph 10/0", True)
-    recorded = WorkerGraph(gm, compile_workers._pack_graph(gm, inputs), compile_here, back, Stats(), "graph 10/1", True,
-                           cuda_graphs=True)
+    return compile_here
+
+
+def _back() -> concurrent.futures.Future:
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_result(_report())
+    return future
+
+
+def test_wait_and_load_runs_each_loaded_graph_once_on_zeros_and_leaves_the_training_as_it_was() -> None:
+    """Its kernels' first run (autotuning, loading) falls in the first step, not the second; the
+    stand-ins' gradients and the random numbers drawn are not the training's."""
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.empty_strided((3, 4), (1, 3)).copy_(torch.randn(3, 4))  # not contiguous: the stand-in has its strides
+    gm, inputs = _traced(lambda t, weight: (t @ weight).sin() * torch.rand(1), x, w)
+    packed = compile_workers._pack_graph(gm, inputs)
+    runs: list[tuple] = []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        graph = WorkerGraph(gm, packed, _loaded_by_hand(runs), _back(), Stats(), "graph 10/0", True)
+    recorded = WorkerGraph(gm, packed, _loaded_by_hand(runs), _back(), Stats(), "graph 10/1", True, cuda_graphs=True)
+    with torch.no_grad():
+        without_grad = WorkerGraph(gm, packed, _loaded_by_hand(runs), _back(), Stats(), "graph 10/2", True)
     rng = torch.get_rng_state()
-    assert compile_workers.wait_and_load() == 2
-    (stand_ins,) = runs  # the CUDA graph's is not run: zeros are not where its weights are
+    assert compile_workers.wait_and_load() == 3
+    # The CUDA graph's is not run: zeros are not where its weights are.
+    (stand_ins, autocast), (no_grad_stand_ins, _) = runs
     assert [(t.shape, t.stride(), t.requires_grad) for t in stand_ins] == [
         (t.shape, t.stride(), t.requires_grad) for t in inputs
     ]
-    assert all(not t.any() for t in stand_ins)
+    assert all(not t.any() for t in stand_ins) and autocast  # under the hand-over's autocast
     assert stand_ins[1].grad is not None  # the backward ran, into the stand-in
+    assert no_grad_stand_ins[1].grad is None  # handed over without grad: no backward
     assert w.grad is None and torch.equal(torch.get_rng_state(), rng)  # the training's own untouched
     graph(x, w)[0].sum().backward()
     recorded(x, w)
-    assert len(runs) == 3 and w.grad is not None  # both compiled, on the real inputs
+    without_grad(x, w)
+    assert len(runs) == 5 and w.grad is not None  # all compiled, on the real inputs
+
+
+def test_a_graph_with_integer_inputs_or_whose_first_run_fails_runs_compiled_from_its_next_call() -> None:
+    """Zeros as indices may index out of bounds (a device-side assert on a GPU): not run. A first
+    run that raises is warned about."""
+    x = torch.randn(3, 4)
+    indexed_gm, indexed_inputs = _traced(lambda t, i: t[i] * 2.0, x, torch.tensor([2, 0]))
+    gm, inputs = _traced(_sine, x)
+    runs: list[tuple] = []
+    indexed = WorkerGraph(indexed_gm, compile_workers._pack_graph(indexed_gm, indexed_inputs),
+                          _loaded_by_hand(runs), _back(), Stats(), "graph 11/0", True)
+    failing = WorkerGraph(gm, compile_workers._pack_graph(gm, inputs), _loaded_by_hand(runs, fails=True), _back(),
+                          Stats(), "graph 11/1", True)
+    with pytest.warns(RuntimeWarning, match=r"graph 11/1: its first run on stand-in inputs failed \(RuntimeError: no "
+                      r"kernel for zeros\); it runs compiled from its next call"):
+        assert compile_workers.wait_and_load() == 2
+    assert len(runs) == 1  # the failing one's; none for the indexed one
+    torch.testing.assert_close(indexed(x, torch.tensor([2, 0]))[0], x[[2, 0]] * 2.0)
+    torch.testing.assert_close(failing(x)[0], _sine(x))
+    assert len(runs) == 3  # both compiled
 
 
 @pytest.mark.parametrize("checkpointed", [True, False])

@@ -423,9 +423,13 @@ def test_with_compile_workers_wait_the_first_step_loads_the_workers_graphs_and_s
     assert line.endswith("; waited for the 3 graphs compiling in the workers (--compile_workers_wait)")
 
 
-def test_the_first_step_says_how_many_graphs_are_still_compiling_in_the_workers(capsys: pytest.CaptureFixture) -> None:
+def test_the_first_step_says_how_many_graphs_are_still_compiling_in_the_workers(
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
     launch = accel.Launch()
+    launch.args = _parse("--selective_torch_compile", "--compile_workers", "2")  # without --compile_workers_wait
+    monkeypatch.setattr(compile_workers, "wait_and_load", lambda: pytest.fail("waited without --compile_workers_wait"))
     launch.acceleration = compile_accel.apply(model, CompileConfig(mode="off"), blocks=[model])
     stats = launch.acceleration._stats
     stats.worker_graphs_started, stats.worker_graphs_compiled, stats.worker_failures = 5, 1, ["graph 0/1: failed"]
@@ -537,8 +541,28 @@ def test_no_compiler_stops_a_budget_and_lets_selective_train_eager() -> None:
         with pytest.raises(accel.LaunchError, match=r"needs inductor.*no C\+\+ compiler"):
             launch.accelerate(model, torch.device("cpu"))
         launch.config = CompileConfig(mode="selective")
-        launch.accelerate(model, torch.device("cpu"))
+        stopped = []
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(compile_workers, "stop", lambda: stopped.append(True))
+            launch.accelerate(model, torch.device("cpu"))
     assert launch.acceleration is None and "forward" not in model[0].__dict__
+    assert stopped == [True]  # the workers the flags started compile nothing
+
+
+def test_the_launcher_starts_the_workers_at_the_parse_that_asks_and_stops_them_at_one_that_compiles_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[tuple] = []
+    monkeypatch.setattr(compile_workers, "SUPPORTED", True)
+    monkeypatch.setattr(compile_workers, "start", lambda count: calls.append(("start", count)))
+    monkeypatch.setattr(compile_workers, "stop", lambda: calls.append(("stop",)))
+    monkeypatch.setattr(accel, "start_preloading", lambda: None)
+    parser = argparse.ArgumentParser()
+    accel.add_arguments(parser)
+    accel.Launch().watch(parser)
+    parser.parse_known_args(["--selective_torch_compile", "--compile_workers", "2"])  # the command line
+    parser.parse_known_args([])  # a --config_file's parse that compiles nothing
+    assert calls == [("start", 2), ("stop",)]
 
 
 # ---- the real checkout ($SD_SCRIPTS_DIR) ----------------------------------------------------
