@@ -12,7 +12,13 @@ in eager PyTorch (under a non-reentrant checkpoint where a budget replaced the b
 checkpointing, so that it saves no more than the block did). At its first call after the worker
 is done, the graph is compiled here, from those caches (AOTAutograd cache hit: seconds, no
 tracing), and runs compiled from then on. So the first step does not wait for AOTAutograd or
-inductor, and the graphs of every block class compile at the same time.
+inductor, and the graphs of every block class compile at the same time. A trainer that wants
+every step after the first compiled calls `wait_and_load` at the end of the first step instead:
+that step then waits for the slowest graph.
+
+Each worker gets ready as it starts (`_get_ready`: inductor imported, its kernel-compile pool
+started), so that the pool is best started before the model's set-up (`start`; the sd-scripts
+launcher does at the flags' parse); `stop` ends it where nothing will compile after all.
 
 A graph already in the caches (a restart) is not handed over: it loads here as without
 workers. A graph the caches cannot hold (AOTAutograd bypasses them: torch logs why), or whose
