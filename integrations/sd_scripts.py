@@ -46,6 +46,7 @@ from compile_accel.blocks import UNET_BLOCK_LISTS
 from compile_accel.compile_cache import RunCompileCache
 from compile_accel.config import CUDA_GRAPH_MODES, cuda_graph_refusal
 from compile_accel.dynamo_settings import HAS_BUDGET_KNOB, HAS_CACHE_ARTIFACTS, cpp_compiler
+from compile_accel.gc_freeze import freeze_after_first_step
 from compile_accel.memory import gib_argument
 from compile_accel.patching import ModuleFunctionPatch
 from compile_accel.preload import start_preloading, wait_for_preload
@@ -605,6 +606,11 @@ class Launch:
             f"first step done: {times.summary()}; {stats['unique_graphs']} "
             f"graphs, {stats['recompiles']} recompiles, {len(stats['fallbacks'])} fallbacks{chose}{cache}{workers}"
         )
+        if stats["unique_graphs"] or stats["worker_graphs_started"]:
+            _say(
+                f"{freeze_after_first_step()} Python objects frozen out of the garbage collector's passes (a full "
+                "pass over what compiling leaves takes a step's time; gc.unfreeze() undoes it)"
+            )
 
     def report(self) -> None:
         if self._auto_waiting_for() is not None:

@@ -3,6 +3,7 @@ DiT with LoRA, and a LoRA training step that returns the loss and every LoRA gra
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 import weakref
@@ -42,6 +43,14 @@ def compile_workers_first_step(monkeypatch: pytest.MonkeyPatch) -> None:
     # Graphs and jobs a test left in the workers (its model gone) are not the next test's.
     monkeypatch.setattr(compile_workers, "_unswitched", [])
     monkeypatch.setattr(compile_workers, "_out", [])
+
+
+@pytest.fixture(autouse=True)
+def gc_unfrozen():
+    """The launcher and the bench freeze what is alive after a first step (compile_accel.gc_freeze):
+    a test that runs them in this process leaves the next test's garbage collected as usual."""
+    yield
+    gc.unfreeze()
 
 
 # Single-stream blocks only: one block class, whose compile is a fraction of the double-stream

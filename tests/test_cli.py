@@ -149,6 +149,9 @@ def test_bench_runs_each_mode_and_writes_json(bench_run: BenchRun) -> None:
     assert all(len(r["step_s_each"]) == 2 and min(r["step_s_each"]) == r["step_s_min"] for r in results.values())
     assert results["blocks+budget=1.0"]["stats"]["compiled_regions"] > 0
     assert results["eager+ckpt"]["stats"]["regions"] == 0
+    # As the launcher: a compiled mode's process froze what was alive after its first step, eager's did not.
+    assert results["blocks+budget=1.0"]["stats"]["gc_freeze"]["objects"] > 0
+    assert "gc_freeze" not in results["eager+ckpt"]["stats"]
     offload = results["eager+ckpt+offload=0.5"]["stats"]["offload"]
     assert offload["streamed_blocks"] == 3 and offload["bytes_to_device_per_step"] > 0
     assert "| blocks+budget=1.0 |" in proc.stdout and "vs eager+ckpt" in proc.stdout

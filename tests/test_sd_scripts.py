@@ -9,6 +9,7 @@ its ModelOffloader and its training scripts' parsers.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -402,6 +403,31 @@ def test_the_first_step_reports_compile_time_once(capsys: pytest.CaptureFixture)
         "compile_accel: first step done: 0.0 s compiling (nothing); no inductor graph looked up; "
         "0 graphs, 0 recompiles, 0 fallbacks"
     ]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_first_step_freezes_what_compiling_left_out_of_the_garbage_collector(
+    compiled: bool, capsys: pytest.CaptureFixture
+) -> None:
+    model = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+    launch = accel.Launch()
+    launch.acceleration = compile_accel.apply(model, CompileConfig(mode="off"), blocks=[model])
+    launch.acceleration._stats.worker_graphs_started = int(compiled)  # a graph handed to a worker
+    assert gc.get_freeze_count() == 0
+    launch.first_step_done()
+    frozen = [line for line in capsys.readouterr().err.splitlines() if "frozen" in line]
+    if not compiled:  # nothing compiled: the collector is left as it is
+        assert frozen == [] and gc.get_freeze_count() == 0
+        return
+    (line,) = frozen
+    said = re.fullmatch(
+        r"compile_accel: (\d+) Python objects frozen out of the garbage collector's passes \(a full pass over what "
+        r"compiling leaves takes a step's time; gc\.unfreeze\(\) undoes it\)",
+        line,
+    )
+    assert said and int(said[1]) > 0
+    # (Fewer now: frozen objects freed since by reference counting leave the count.)
+    assert 0 < gc.get_freeze_count() <= int(said[1])
 
 
 def test_with_compile_workers_wait_the_first_step_loads_the_workers_graphs_and_says_so(
