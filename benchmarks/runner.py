@@ -317,7 +317,7 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
     compile_workers.first_step_done()  # the pool stops once its graphs are back
     # As the launcher: what compiling left is frozen out of the garbage collector's full passes.
     freezing = time.perf_counter()
-    frozen = freeze_after_first_step() if acceleration.regions else None
+    frozen = freeze_after_first_step(acceleration)
     freeze_s = time.perf_counter() - freezing
     for _ in range(settings.warmup):
         step()

@@ -14,11 +14,17 @@ from __future__ import annotations
 
 import gc
 
+from .api import Acceleration
 
-def freeze_after_first_step() -> int:
-    """Collect the garbage there is now, then freeze every object Python's collector tracks
-    (`gc.freeze`); returns how many objects are frozen in all. For a trainer's loop, after its
-    first step, once the graphs it runs are compiled; a second call freezes what came since."""
+
+def freeze_after_first_step(acceleration: Acceleration) -> int | None:
+    """If `acceleration` compiled anything (here or in the compile workers): collect the garbage
+    there is now, then freeze every object Python's collector tracks (`gc.freeze`), and return
+    how many objects are frozen in all; None, the collector untouched, when it compiled nothing.
+    For a trainer's loop, after its first step; a second call freezes what came since."""
+    stats = acceleration.stats()
+    if not (stats["unique_graphs"] or stats["worker_graphs_started"]):
+        return None
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()

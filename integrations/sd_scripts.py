@@ -606,10 +606,11 @@ class Launch:
             f"first step done: {times.summary()}; {stats['unique_graphs']} "
             f"graphs, {stats['recompiles']} recompiles, {len(stats['fallbacks'])} fallbacks{chose}{cache}{workers}"
         )
-        if stats["unique_graphs"] or stats["worker_graphs_started"]:
+        frozen = freeze_after_first_step(self.acceleration)
+        if frozen is not None:
             _say(
-                f"{freeze_after_first_step()} Python objects frozen out of the garbage collector's passes (a full "
-                "pass over what compiling leaves takes a step's time; gc.unfreeze() undoes it)"
+                f"{frozen} Python objects frozen out of the garbage collector's passes (a full pass over what "
+                "compiling leaves takes a step's time; gc.unfreeze() undoes it)"
             )
 
     def report(self) -> None:

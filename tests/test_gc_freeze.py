@@ -5,6 +5,10 @@ from __future__ import annotations
 import gc
 import weakref
 
+import torch
+
+import compile_accel
+from compile_accel import CompileConfig
 from compile_accel.gc_freeze import freeze_after_first_step
 
 
@@ -15,20 +19,38 @@ class Node:
         self.me = self
 
 
+def accelerated(graphs_compiled: int) -> compile_accel.Acceleration:
+    model = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+    acceleration = compile_accel.apply(model, CompileConfig(mode="off"), blocks=[model])
+    acceleration._stats.worker_graphs_started = graphs_compiled  # graphs handed to compile workers
+    return acceleration
+
+
+def test_nothing_compiled_leaves_the_collector_alone() -> None:
+    garbage = weakref.ref(Node())
+    gc.disable()
+    try:
+        assert freeze_after_first_step(accelerated(0)) is None
+        assert gc.get_freeze_count() == 0 and garbage() is not None  # not collected either
+    finally:
+        gc.enable()
+
+
 def test_freezing_collects_the_garbage_then_leaves_what_is_alive_out_of_later_collections() -> None:
+    acceleration = accelerated(1)
     garbage = weakref.ref(Node())  # unreachable at once, held by its cycle alone
     alive = Node()
     gc.disable()  # only the freeze's own collection runs
     try:
-        frozen = freeze_after_first_step()
+        frozen = freeze_after_first_step(acceleration)
         assert garbage() is None, "the garbage there was before the freeze was not collected"
-        assert frozen == gc.get_freeze_count() > 0
+        assert 0 < gc.get_freeze_count() <= frozen  # (frozen objects freed since leave the count)
         assert not any(obj is alive for obj in gc.get_objects()), "a live object stayed in the collector's view"
         still_there = weakref.ref(alive)
         del alive  # now garbage, but frozen: its cycle outlives every collection until gc.unfreeze()
         gc.collect()
         assert still_there() is not None
-        assert freeze_after_first_step() >= frozen  # a second call freezes what came since, on top
+        assert freeze_after_first_step(acceleration) >= frozen  # a second call freezes what came since, on top
     finally:
         gc.enable()
         gc.unfreeze()
