@@ -27,9 +27,9 @@ def accelerated(graphs_compiled: int) -> compile_accel.Acceleration:
 
 
 def test_nothing_compiled_leaves_the_collector_alone() -> None:
-    garbage = weakref.ref(Node())
-    gc.disable()
+    gc.disable()  # from before the garbage is made: no automatic collection takes it
     try:
+        garbage = weakref.ref(Node())
         assert freeze_after_first_step(accelerated(0)) is None
         assert gc.get_freeze_count() == 0 and garbage() is not None  # not collected either
     finally:
@@ -38,10 +38,10 @@ def test_nothing_compiled_leaves_the_collector_alone() -> None:
 
 def test_freezing_collects_the_garbage_then_leaves_what_is_alive_out_of_later_collections() -> None:
     acceleration = accelerated(1)
-    garbage = weakref.ref(Node())  # unreachable at once, held by its cycle alone
-    alive = Node()
-    gc.disable()  # only the freeze's own collection runs
+    gc.disable()  # only the freeze's own collection runs, from before the garbage is made
     try:
+        garbage = weakref.ref(Node())  # unreachable at once, held by its cycle alone
+        alive = Node()
         frozen = freeze_after_first_step(acceleration)
         assert garbage() is None, "the garbage there was before the freeze was not collected"
         assert 0 < gc.get_freeze_count() <= frozen  # (frozen objects freed since leave the count)
