@@ -294,21 +294,29 @@ WAIT_WITH_AUTO = (
 
 
 def wait_and_load() -> int:
-    """Wait until the workers are done with every job (`wait`), then load each graph they compiled
-    here now rather than at its next call, run it once (`WorkerGraph.run_once_on_stand_ins`), and
-    return how many. A trainer that wants every step after the first to run compiled, as fast as
-    the ones after it, calls it at the end of its first step (the sd-scripts launcher's
+    """Load each graph here as its worker is done with it, rather than at its next call, run it
+    once (`WorkerGraph.run_once_on_stand_ins`), then wait for the workers' other jobs (`wait`);
+    return how many graphs. A trainer that wants every step after the first to run compiled, as
+    fast as the ones after it, calls it at the end of its first step (the sd-scripts launcher's
     `--compile_workers_wait`, the bench's `--compile-workers-wait`): that step then lasts until
-    the slowest graph is back, the graphs compiling at the same time in the workers. Between
-    steps only: a graph that a trainer's checkpoint recomputes must not change within a step.
-    Graphs that auto holds (`hold_switches`) stay as they are."""
+    the slowest graph is back and loaded, the graphs back first loading while the others still
+    compile. Between steps only: a graph that a trainer's checkpoint recomputes must not change
+    within a step. Graphs that auto holds (`hold_switches`) stay as they are."""
+    loaded = 0
+    while True:
+        with _lock:
+            graphs = [graph for graph in _still_unswitched() if id(graph._stats) not in _held]
+        if not graphs:
+            break
+        futures = [graph.future for graph in graphs]
+        back, _ = concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_COMPLETED)
+        for graph in graphs:
+            if graph.future in back:
+                graph._switch()
+                graph.run_once_on_stand_ins()
+                loaded += 1
     wait()
-    with _lock:
-        graphs = [graph for graph in _still_unswitched() if id(graph._stats) not in _held]
-    for graph in graphs:
-        graph._switch()
-        graph.run_once_on_stand_ins()
-    return len(graphs)
+    return loaded
 
 
 def step_started() -> None:

@@ -753,6 +753,29 @@ def test_wait_and_load_waits_for_the_workers_then_loads_their_graphs_before_thei
     assert not torch.is_autocast_enabled("cpu")  # put back
 
 
+def test_wait_and_load_loads_each_graph_as_it_comes_back_while_the_others_still_compile() -> None:
+    """The first step's wait ends with the slowest graph's compile, not that plus every graph's
+    load: a graph back early is loaded (and run once) while a later one is still in its worker."""
+    x = torch.randn(3, 4)
+    gm, inputs = _traced(_sine, x)
+    packed = compile_workers._pack_graph(gm, inputs)
+    back_later: concurrent.futures.Future = concurrent.futures.Future()
+    pending_when_loaded = []
+
+    def compile_here(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        pending_when_loaded.append(not back_later.done())
+        torch._dynamo.utils.counters["aot_autograd"]["autograd_cache_hit"] += 1
+        return graph.forward
+
+    early = WorkerGraph(gm, packed, compile_here, _back(), Stats(), "graph 12/0", checkpointed=False)
+    late = WorkerGraph(gm, packed, compile_here, back_later, Stats(), "graph 12/1", checkpointed=False)
+    timer = threading.Timer(0.3, back_later.set_result, args=(_report(),))
+    timer.start()
+    assert compile_workers.wait_and_load() == 2
+    assert pending_when_loaded == [True, False]  # the early one while the late one compiled
+    assert early.future is None and late.future is None and compile_workers.pending() == 0
+
+
 def _loaded_by_hand(runs: list, fails: bool = False) -> Callable:
     """A compile_here that loads as from the workers' entry: its graph, recording each call's
     inputs and the autocast it ran under; `fails`: raises on zeros."""
