@@ -305,13 +305,12 @@ def wait_and_load() -> int:
     loaded = 0
     while True:
         with _lock:
-            graphs = [graph for graph in _still_unswitched() if id(graph._stats) not in _held]
-        if not graphs:
+            waiting = [(graph, graph.future) for graph in _still_unswitched() if id(graph._stats) not in _held]
+        if not waiting:
             break
-        futures = [graph.future for graph in graphs]
-        back, _ = concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_COMPLETED)
-        for graph in graphs:
-            if graph.future in back:
+        back, _ = concurrent.futures.wait([f for _, f in waiting], return_when=concurrent.futures.FIRST_COMPLETED)
+        for graph, future in waiting:
+            if future in back:
                 graph._switch()
                 graph.run_once_on_stand_ins()
                 loaded += 1
