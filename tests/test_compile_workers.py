@@ -762,16 +762,24 @@ def test_wait_and_load_loads_each_graph_as_it_comes_back_while_the_others_still_
     back_later: concurrent.futures.Future = concurrent.futures.Future()
     pending_when_loaded = []
 
+    def come_back() -> None:
+        if not back_later.done():
+            back_later.set_result(_report())
+
     def compile_here(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
         pending_when_loaded.append(not back_later.done())
+        come_back()  # the late one's worker is done once the early one is loaded
         torch._dynamo.utils.counters["aot_autograd"]["autograd_cache_hit"] += 1
         return graph.forward
 
     early = WorkerGraph(gm, packed, compile_here, _back(), Stats(), "graph 12/0", checkpointed=False)
     late = WorkerGraph(gm, packed, compile_here, back_later, Stats(), "graph 12/1", checkpointed=False)
-    timer = threading.Timer(0.3, back_later.set_result, args=(_report(),))
+    timer = threading.Timer(5.0, come_back)  # (so that waiting for every graph first fails, not hangs)
     timer.start()
-    assert compile_workers.wait_and_load() == 2
+    try:
+        assert compile_workers.wait_and_load() == 2
+    finally:
+        timer.cancel()
     assert pending_when_loaded == [True, False]  # the early one while the late one compiled
     assert early.future is None and late.future is None and compile_workers.pending() == 0
 
