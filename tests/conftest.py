@@ -16,11 +16,16 @@ os.environ["COMPILE_ACCEL_CACHE_DIR"] = tempfile.mkdtemp(prefix="compile_accel_t
 
 import pytest
 import torch
+import torch._inductor.config
 import torch.nn as nn
 
 from compile_accel import compile_workers
 from compile_accel.benchmarks.lora import TINY_DIT_LORA_TARGETS, KohyaStyleLoRANetwork
 from compile_accel.benchmarks.tiny_dit import TinyDiT, TinyDiTConfig, make_inputs
+
+# Inductor's CPU kernels as scalar C++: what the tests check (graphs, partitions, parity) does not
+# depend on vectorised code, whose templates take the C++ compiler most of a CPU compile's time.
+torch._inductor.config.cpp.simdlen = 0
 
 PEFT_TARGETS = ["qkv", "img_out", "txt_out", "linear1", "linear2"]
 
