@@ -302,20 +302,13 @@ def wait_and_load() -> int:
     the slowest graph is back and loaded, the graphs back first loading while the others still
     compile. Between steps only: a graph that a trainer's checkpoint recomputes must not change
     within a step. Graphs that auto holds (`hold_switches`) stay as they are."""
-    loaded = 0
-    while True:
-        with _lock:
-            waiting = [(graph, graph.future) for graph in _still_unswitched() if id(graph._stats) not in _held]
-        if not waiting:
-            break
-        back, _ = concurrent.futures.wait([f for _, f in waiting], return_when=concurrent.futures.FIRST_COMPLETED)
-        for graph, future in waiting:
-            if future in back:
-                graph._switch()
-                graph.run_once_on_stand_ins()
-                loaded += 1
+    with _lock:  # (no graph is handed over between steps: this is every one to load)
+        graphs = {graph.future: graph for graph in _still_unswitched() if id(graph._stats) not in _held}
+    for future in concurrent.futures.as_completed(graphs):
+        graphs[future]._switch()
+        graphs[future].run_once_on_stand_ins()
     wait()
-    return loaded
+    return len(graphs)
 
 
 def step_started() -> None:
