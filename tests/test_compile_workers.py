@@ -815,16 +815,18 @@ def test_wait_and_load_runs_each_loaded_graph_once_on_zeros_and_leaves_the_train
     x = torch.empty_strided((3, 4), (1, 3)).copy_(torch.randn(3, 4))  # not contiguous: the stand-in has its strides
     gm, inputs = _traced(lambda t, weight: (t @ weight).sin() * torch.rand(1), x, w)
     packed = compile_workers._pack_graph(gm, inputs)
-    runs: list[tuple] = []
+    # One record per graph: wait_and_load loads them in the order their workers finish.
+    runs: list[list[tuple]] = [[], [], []]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        graph = WorkerGraph(gm, packed, _loaded_by_hand(runs), _back(), Stats(), "graph 10/0", True)
-    recorded = WorkerGraph(gm, packed, _loaded_by_hand(runs), _back(), Stats(), "graph 10/1", True, cuda_graphs=True)
+        graph = WorkerGraph(gm, packed, _loaded_by_hand(runs[0]), _back(), Stats(), "graph 10/0", True)
+    recorded = WorkerGraph(gm, packed, _loaded_by_hand(runs[1]), _back(), Stats(), "graph 10/1", True,
+                           cuda_graphs=True)
     with torch.no_grad():
-        without_grad = WorkerGraph(gm, packed, _loaded_by_hand(runs), _back(), Stats(), "graph 10/2", True)
+        without_grad = WorkerGraph(gm, packed, _loaded_by_hand(runs[2]), _back(), Stats(), "graph 10/2", True)
     rng = torch.get_rng_state()
     assert compile_workers.wait_and_load() == 3
     # The CUDA graph's is not run: zeros are not where its weights are.
-    (stand_ins, autocast), (no_grad_stand_ins, _) = runs
+    [(stand_ins, autocast)], [], [(no_grad_stand_ins, _)] = runs
     assert [(t.shape, t.stride(), t.requires_grad) for t in stand_ins] == [
         (t.shape, t.stride(), t.requires_grad) for t in inputs
     ]
@@ -835,7 +837,7 @@ def test_wait_and_load_runs_each_loaded_graph_once_on_zeros_and_leaves_the_train
     graph(x, w)[0].sum().backward()
     recorded(x, w)
     without_grad(x, w)
-    assert len(runs) == 5 and w.grad is not None  # all compiled, on the real inputs
+    assert [len(r) for r in runs] == [2, 1, 2] and w.grad is not None  # all compiled, on the real inputs
 
 
 def test_a_graph_with_integer_inputs_or_whose_first_run_fails_runs_compiled_from_its_next_call() -> None:
