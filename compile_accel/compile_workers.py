@@ -700,7 +700,9 @@ class WorkerGraph:
         the state it was handed over in, the random-number state put back: its kernels' first run
         (autotuning, loading) is paid here rather than in the next step, as compiling in this
         process pays it in the first step (benchmarks/results/h200_worker_warm_up/: 0.5-1.4 s).
-        It takes one block's weights (copies) and activations of memory, freed after. Not for a
+        A graph handed over with grad runs once more inside a backward (`_in_a_backward`), where a
+        checkpoint recomputes it. Each run takes one block's weights (copies) and activations of
+        memory, freed after. Not for a
         graph replayed as a CUDA graph (zeros at other addresses than the weights it records), one
         with integer inputs (indices: zeros may index out of bounds, which a kernel asserts), nor
         one not compiled here. A failure is warned about: the graph runs as it is."""
@@ -713,12 +715,19 @@ class WorkerGraph:
             return
         devices = sorted({fake.device for fake in fakes if fake.device.type == "cuda"}, key=str)
         here = _runtime_state()
-        try:
-            with torch.random.fork_rng(devices=devices), _unseen_by_checkpoints(), _in_runtime_state(self._state):
+
+        def forward_and_backward() -> None:
+            with _in_runtime_state(self._state):
                 stand_ins = [_zeros_like(fake) for fake in fakes]
                 outputs = [out for out in pytree.tree_leaves(self._compiled(*stand_ins)) if _wants_grad(out)]
                 if outputs:
                     torch.autograd.backward(outputs, [torch.ones_like(out) for out in outputs])
+
+        try:
+            with torch.random.fork_rng(devices=devices), _unseen_by_checkpoints():
+                forward_and_backward()
+                if self._state["grad"]:
+                    _in_a_backward(forward_and_backward, devices[0] if devices else torch.device("cpu"))
                 for device in devices:  # a kernel's error shows here, not in the next step
                     torch.cuda.synchronize(device)
         except Exception as error:
@@ -728,6 +737,27 @@ class WorkerGraph:
                  "it runs compiled from its next call, which pays its kernels' first run")
         finally:
             _set_flags(here)
+
+
+class _CallInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, call: Callable[[], None]) -> torch.Tensor:
+        ctx.call = call
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.call()
+        return grad, None
+
+
+def _in_a_backward(call: Callable[[], None], device: torch.device) -> None:
+    """Call `call` inside a backward, on the thread the autograd engine runs `device`'s backward
+    work on: where a checkpoint recomputes a graph's forward. Some of what a first run sets up is
+    kept per thread, as ATen keeps cuDNN's attention plans: without this run, sd-scripts' SDXL
+    (reentrant checkpoints) had its step after the wait 0.19-0.27 s over the later ones, in its
+    attention calls (benchmarks/results/h200_step_after_wait_threads/)."""
+    torch.autograd.backward(_CallInBackward.apply(torch.zeros((), device=device, requires_grad=True), call))
 
 
 def _zeros_like(fake: torch.Tensor) -> torch.Tensor:

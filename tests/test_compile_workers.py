@@ -786,13 +786,13 @@ def test_wait_and_load_loads_each_graph_as_it_comes_back_while_the_others_still_
 
 def _loaded_by_hand(runs: list, fails: bool = False) -> Callable:
     """A compile_here that loads as from the workers' entry: its graph, recording each call's
-    inputs and the autocast it ran under; `fails`: raises on zeros."""
+    inputs, the autocast it ran under and whether inside a backward; `fails`: raises on zeros."""
 
     def compile_here(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
         torch._dynamo.utils.counters["aot_autograd"]["autograd_cache_hit"] += 1
 
         def run(*args: torch.Tensor) -> Any:
-            runs.append((args, torch.is_autocast_enabled("cpu")))
+            runs.append((args, torch.is_autocast_enabled("cpu"), torch._C._current_graph_task_id() != -1))
             if fails and not any(t.any() for t in args):
                 raise RuntimeError("no kernel for zeros")
             return graph.forward(*args)
@@ -809,8 +809,10 @@ def _back() -> concurrent.futures.Future:
 
 
 def test_wait_and_load_runs_each_loaded_graph_once_on_zeros_and_leaves_the_training_as_it_was() -> None:
-    """Its kernels' first run (autotuning, loading) falls in the first step, not the second; the
-    stand-ins' gradients and the random numbers drawn are not the training's."""
+    """Its kernels' first run (autotuning, loading) falls in the first step, not the second, also
+    inside a backward for a graph with grad, where a checkpoint recomputes it (on a GPU, on the
+    autograd engine's thread); the stand-ins' gradients and the random numbers drawn are not the
+    training's."""
     w = torch.randn(4, 4, requires_grad=True)
     x = torch.empty_strided((3, 4), (1, 3)).copy_(torch.randn(3, 4))  # not contiguous: the stand-in has its strides
     gm, inputs = _traced(lambda t, weight: (t @ weight).sin() * torch.rand(1), x, w)
@@ -826,18 +828,23 @@ def test_wait_and_load_runs_each_loaded_graph_once_on_zeros_and_leaves_the_train
     rng = torch.get_rng_state()
     assert compile_workers.wait_and_load() == 3
     # The CUDA graph's is not run: zeros are not where its weights are.
-    [(stand_ins, autocast)], [], [(no_grad_stand_ins, _)] = runs
-    assert [(t.shape, t.stride(), t.requires_grad) for t in stand_ins] == [
-        (t.shape, t.stride(), t.requires_grad) for t in inputs
-    ]
-    assert all(not t.any() for t in stand_ins) and autocast  # under the hand-over's autocast
-    assert stand_ins[1].grad is not None  # the backward ran, into the stand-in
+    [(stand_ins, autocast, in_backward), (recomputed, recomputed_autocast, recomputed_in_backward)], [], [
+        (no_grad_stand_ins, _, no_grad_in_backward)
+    ] = runs
+    assert (in_backward, recomputed_in_backward, no_grad_in_backward) == (False, True, False)
+    for run in (stand_ins, recomputed):
+        assert [(t.shape, t.stride(), t.requires_grad) for t in run] == [
+            (t.shape, t.stride(), t.requires_grad) for t in inputs
+        ]
+        assert all(not t.any() for t in run)
+        assert run[1].grad is not None  # the backward ran, into the stand-in
+    assert autocast and recomputed_autocast  # under the hand-over's autocast
     assert no_grad_stand_ins[1].grad is None  # handed over without grad: no backward
     assert w.grad is None and torch.equal(torch.get_rng_state(), rng)  # the training's own untouched
     graph(x, w)[0].sum().backward()
     recorded(x, w)
     without_grad(x, w)
-    assert [len(r) for r in runs] == [2, 1, 2] and w.grad is not None  # all compiled, on the real inputs
+    assert [len(r) for r in runs] == [3, 1, 2] and w.grad is not None  # all compiled, on the real inputs
 
 
 def test_a_graph_with_integer_inputs_or_whose_first_run_fails_runs_compiled_from_its_next_call() -> None:
