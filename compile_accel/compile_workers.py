@@ -98,6 +98,8 @@ _switched = 0  # graphs handed to the workers that run compiled here now, for th
 _held: set[int] = set()  # id()s of the Stats whose graphs hold_switches keeps uncompiled
 _kept: weakref.WeakSet = weakref.WeakSet()  # the holders keep_running keeps the pool up for
 _last_back = 0.0  # time.monotonic() when a graph last came back
+_idle_check: threading.Timer | None = None  # the pending _stop_if_idle (_stop_when_idle)
+_idle_check_lock = threading.Lock()  # (taken on the pool's reader thread too, never with _lock held)
 # Each worker's inductor compiles its kernels in a pool of its own, sized as if this many graphs
 # compiled at once (a DiT's blocks make 2-3 graphs: sd-scripts' Flux, Lumina 2), so that a few
 # graphs get the training process's share of the CPU; more (SDXL's dozens) share it, N workers
@@ -169,10 +171,19 @@ def _back(_: concurrent.futures.Future) -> None:
 
 
 def _stop_when_idle() -> None:
+    """Check whether the pool is idle once the last graph has been back for the idle time, in a
+    timer that replaces the pending one: one waiting thread, not one per graph back (SDXL's 36
+    graphs and precompiles left 68)."""
+    global _idle_check
     idle_seconds = 0.0 if _first_step_done else IDLE_SECONDS_BEFORE_FIRST_STEP_DONE
-    timer = threading.Timer(idle_seconds, _stop_if_idle, args=(_pool, idle_seconds))
-    timer.daemon = True
-    timer.start()
+    with _idle_check_lock:
+        if _idle_check is not None:
+            _idle_check.cancel()
+        delay = max(0.0, _last_back + idle_seconds - time.monotonic())
+        _idle_check = threading.Timer(delay, _stop_if_idle, args=(_pool, idle_seconds))
+        _idle_check.name = "compile_accel-workers-idle-check"
+        _idle_check.daemon = True
+        _idle_check.start()
 
 
 def first_step_done() -> None:
@@ -197,7 +208,7 @@ def keep_running(holder: object, kept: bool) -> None:
 
 def _stop_if_idle(pool: Any, idle_seconds: float) -> None:
     """Shut `pool` down if it is still the pool, nobody keeps it, no graph is out in it, and none
-    came back in the last `idle_seconds` (a later graph's own timer checks again)."""
+    came back in the last `idle_seconds` (a later graph back arms the check again)."""
     global _pool
     with _lock:
         _out[:] = [future for future in _out if not future.done()]
