@@ -713,10 +713,10 @@ class WorkerGraph:
         process pays it in the first step (benchmarks/results/h200_worker_warm_up/: 0.5-1.4 s).
         A graph handed over with grad runs once more inside a backward (`_in_a_backward`), where a
         checkpoint recomputes it. Each run takes one block's weights (copies) and activations of
-        memory, freed after. Not for a
-        graph replayed as a CUDA graph (zeros at other addresses than the weights it records), one
-        with integer inputs (indices: zeros may index out of bounds, which a kernel asserts), nor
-        one not compiled here. A failure is warned about: the graph runs as it is."""
+        memory, freed after. Not for a graph replayed as a CUDA graph (zeros at other addresses
+        than the weights it records), one with integer inputs (indices: zeros may index out of
+        bounds, which a kernel asserts), nor one not compiled here. A failure is warned about: the
+        graph runs as it is."""
         if self._compiled is None or self._cuda_graphs:
             return
         fakes = [node.meta.get("example_value") for node in self._gm.graph.find_nodes(op="placeholder")]
