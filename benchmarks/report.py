@@ -67,21 +67,23 @@ def compile_workers_table(report: dict[str, Any]) -> str:
     lines = [
         "Compiled in worker processes (steps run what is not back yet uncompiled):",
         "",
-        "| mode | first step s | second step s | all graphs compiled after s | graphs in workers | failed there "
-        "| slowest graph in a worker s (queued s; phases) |",
-        "|---|---|---|---|---|---|---|",
+        "| mode | first step s | second step s | all graphs compiled after s | last graph back after s "
+        "| graphs in workers | failed there | slowest graph in a worker s (queued s; phases) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         s, w = r["stats"], r["stats"]["compile_workers"]
         compiles = s.get("worker_compiles") or []
         slowest = max(compiles, key=lambda c: c["worker_s"], default=None)
+        # (seconds into the first step: a first step that waited far past it waited for the loads here)
+        last_back = max((c["back_at_s"] for c in compiles if "back_at_s" in c), default=None)
         in_worker = "-"
         if slowest is not None:
             phases = ", ".join(f"{p} {slowest[p + '_s']:.1f}" for p in PHASES if slowest[p + "_s"] >= 0.05)
             in_worker = f"{slowest['worker_s']:.1f} ({slowest['queued_s']:.1f}; {phases})"
         lines.append(
             f"| {r['mode']} | {r['first_step_s']:.1f} | {_seconds(w['second_step_s'])} | {w['compiled_after_s']:.1f} "
-            f"| {s.get('worker_graphs_compiled', 0)} of {s.get('worker_graphs_started', 0)} "
+            f"| {_seconds(last_back)} | {s.get('worker_graphs_compiled', 0)} of {s.get('worker_graphs_started', 0)} "
             f"| {len(s.get('worker_failures', []))} | {in_worker} |"
         )
     return "\n".join(lines)

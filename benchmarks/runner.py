@@ -303,6 +303,7 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
 
     start = time.perf_counter()
     step()
+    stepped = time.perf_counter()
     if settings.compile_workers_wait:
         compile_workers.wait_and_load()
     synchronize(gpus)
@@ -311,7 +312,7 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
     waiting = compile_workers.pending() or (auto is not None and auto.waiting_for is not None)
     workers = _await_compile_workers(step, gpus, start, auto) if waiting else None
     if workers is None and settings.compile_workers_wait:  # every graph back and loaded in the first step
-        workers = {"second_step_s": None, "compiled_after_s": first}
+        workers = {"second_step_s": None, "compiled_after_s": first, "waited_s": round(start + first - stepped, 3)}
     if run_cache is not None and _rank() == 0:  # as the launcher: before the worker pool stops
         run_cache.save()
     compile_workers.first_step_done()  # the pool stops once its graphs are back

@@ -94,6 +94,7 @@ _pool: Any = None  # up from start() or the first graph handed over until idle (
 _out: list[concurrent.futures.Future] = []  # the running pool's jobs not yet back
 _unswitched: list[WorkerGraph] = []  # handed to the workers, not yet running compiled
 _first_step_done = False  # set by first_step_done(), for the rest of the process
+_first_step_start: float | None = None  # time.time() at the first step_started(): the timeline's zero
 _switched = 0  # graphs handed to the workers that run compiled here now, for the rest of the process
 _held: set[int] = set()  # id()s of the Stats whose graphs hold_switches keeps uncompiled
 _kept: weakref.WeakSet = weakref.WeakSet()  # the holders keep_running keeps the pool up for
@@ -107,6 +108,12 @@ _idle_check_lock = threading.Lock()  # (taken on the pool's reader thread too, n
 # workers), sd-scripts' Flux graphs waited 3.4-3.7 s for their kernels, with 8 0.3-0.5 s
 # (benchmarks/results/h200_worker_warm_up/).
 GRAPHS_AT_ONCE = 4
+# A graph's look-up in the caches before its hand-over costs the step AOTAutograd's cache key
+# (sd-scripts' SDXL: 1.8 s for 36 graphs, cold). After this many misses in a row (a cold cache)
+# graphs go to the workers without it, where one the caches hold is a quick hit, until a graph is
+# found in them again.
+MISSES_BEFORE_COLD = 4
+_misses_in_a_row = 0  # look-ups before hand-overs that missed since the last graph found in the caches
 # Until the first step is done, an idle pool waits this long for more graphs: a first step hands
 # its graphs over in waves (sd-scripts' SDXL: 40 s apart on an H100, as dynamo and AOTAutograd
 # reach the next blocks, or the backward's), and a new pool takes seconds to start.
@@ -163,10 +170,13 @@ def _submit(*args: Any) -> concurrent.futures.Future:
     return future
 
 
-def _back(_: concurrent.futures.Future) -> None:
+def _back(future: concurrent.futures.Future) -> None:
     # On the pool's reader thread, so no _lock here: the idle check runs on a timer's thread.
-    global _last_back
+    global _last_back, _misses_in_a_row
     _last_back = time.monotonic()
+    if future.exception() is None and isinstance(future.result(), WorkerCompile):
+        if future.result().aot_autograd.get("autograd_cache_hit"):  # the caches are warm after all
+            _misses_in_a_row = 0
     _stop_when_idle()
 
 
@@ -315,10 +325,19 @@ def wait_and_load() -> int:
     within a step. Graphs that auto holds (`hold_switches`) stay as they are."""
     with _lock:  # (no graph is handed over between steps: this is every one to load)
         graphs = {graph.future: graph for graph in _still_unswitched() if id(graph._stats) not in _held}
+    if graphs:
+        logger.info(
+            "waiting for the compile workers: %d graphs to load here, %d of them back%s",
+            len(graphs), sum(future.done() for future in graphs), _since_first_step(time.time()),
+        )
+    start = time.perf_counter()
     for future in concurrent.futures.as_completed(graphs):
         graphs[future]._switch()
         graphs[future].run_once_on_stand_ins()
     wait()
+    if graphs:
+        logger.info("%d graphs loaded and run once in %.1f s%s", len(graphs), time.perf_counter() - start,
+                    _since_first_step(time.time()))
     return len(graphs)
 
 
@@ -327,7 +346,10 @@ def step_started() -> None:
     graph back from its worker by now may switch to compiled in this step. A graph that a
     trainer's checkpoint recomputes in the backward switches only here, between steps: a
     checkpoint must see its forward save the same tensors twice."""
+    global _first_step_start
     with _lock:
+        if _first_step_start is None:
+            _first_step_start = time.time()
         for graph in _still_unswitched():
             if graph.future.done():
                 graph.back_at_step_start = True
@@ -641,6 +663,7 @@ class WorkerGraph:
         self.back_at_step_start = False
         self._compiled: Callable | None = None
         self._switch_lock = threading.Lock()
+        self._record: dict[str, Any] | None = None  # its entry in stats.worker_compiles, once loaded
         self._handed_over = time.time()  # (a hair after the submit; WorkerCompile.started is on this clock)
         with _lock:
             _unswitched.append(self)
@@ -689,10 +712,12 @@ class WorkerGraph:
                 return
             self._stats.worker_graphs_compiled += 1
             queued = max(0.0, report.started - self._handed_over)
-            self._stats.worker_compiles.append(
-                {"graph": self._label, "queued_s": round(queued, 3), "worker_s": round(report.seconds, 3),
-                 "load_s": round(seconds, 3), **report.times.as_dict()}
-            )
+            self._record = {
+                "graph": self._label, "queued_s": round(queued, 3), "worker_s": round(report.seconds, 3),
+                "load_s": round(seconds, 3), **report.times.as_dict(),
+                **_timeline(handed_over=self._handed_over, back=report.started + report.seconds, loaded=time.time()),
+            }
+            self._stats.worker_compiles.append(self._record)
             logger.info(
                 "%s: compiled in a worker in %.1f s after %.1f s in its queue (%s), loaded from the caches in %.1f s "
                 "(%d of %d graphs handed to the workers)",
@@ -726,6 +751,7 @@ class WorkerGraph:
             return
         devices = sorted({fake.device for fake in fakes if fake.device.type == "cuda"}, key=str)
         here = _runtime_state()
+        start = time.perf_counter()
 
         def forward_and_backward() -> None:
             with _in_runtime_state(self._state):
@@ -741,6 +767,8 @@ class WorkerGraph:
                     _in_a_backward(forward_and_backward, devices[0] if devices else torch.device("cpu"))
                 for device in devices:  # a kernel's error shows here, not in the next step
                     torch.cuda.synchronize(device)
+            if self._record is not None:
+                self._record["first_run_s"] = round(time.perf_counter() - start, 3)
         except Exception as error:
             if isinstance(error, torch.OutOfMemoryError):
                 torch.cuda.empty_cache()  # what the run took is the training's again
@@ -769,6 +797,18 @@ def _in_a_backward(call: Callable[[], None], device: torch.device) -> None:
     (reentrant checkpoints) had its step after the wait 0.19-0.27 s over the later ones, in its
     attention calls (benchmarks/results/h200_step_after_wait_threads/)."""
     torch.autograd.backward(_CallInBackward.apply(torch.zeros((), device=device, requires_grad=True), call))
+
+
+def _since_first_step(at: float) -> str:
+    return "" if _first_step_start is None else f" ({at - _first_step_start:.1f} s into the first step)"
+
+
+def _timeline(**times: float) -> dict[str, float]:
+    """Each time.time() as seconds since the first step started, named `<name>_at_s` (none before
+    a first step: a graph handed over outside the training's steps)."""
+    if _first_step_start is None:
+        return {}
+    return {f"{name}_at_s": round(at - _first_step_start, 3) for name, at in times.items()}
 
 
 def _zeros_like(fake: torch.Tensor) -> torch.Tensor:
@@ -864,23 +904,32 @@ def compile_in_workers(
     cuda_graphs: bool = False,
 ) -> Callable:
     """What a region's backend returns for `gm` with workers (`start` first): the graph loaded
-    from the caches if they hold it, else a WorkerGraph whose worker compiles it.
+    from the caches if they hold it, else a WorkerGraph whose worker compiles it. Once the caches
+    missed MISSES_BEFORE_COLD graphs in a row, graphs are handed over without the look-up.
 
     compiler: the backend a worker compiles with (picklable), under the settings in force now.
     compile_here(gm, inputs): compiles in this process with those settings. checkpointed: run
     the graph under a non-reentrant checkpoint until it is compiled. cuda_graphs: `compiler`
     records CUDA graphs."""
+    global _misses_in_a_row
     if not should_use_local_autograd_cache():
         warn(f"{label} compiles in this process: compile workers need AOTAutograd's local cache, which is off")
         return compile_here(gm, example_inputs)
     # Packed before anything compiles: inductor's pre-grad passes may rewrite gm in place.
     with _unseen_by_checkpoints():
         packed = _pack_graph(gm, example_inputs)
-    try:
-        with _only_from_cache():
-            return compile_here(gm, example_inputs)
-    except _NotCached:
-        pass
+    if _misses_in_a_row < MISSES_BEFORE_COLD:
+        try:
+            with _only_from_cache():
+                compiled = compile_here(gm, example_inputs)
+        except _NotCached:
+            _misses_in_a_row += 1
+            if _misses_in_a_row == MISSES_BEFORE_COLD:
+                logger.info("the caches held none of the last %d graphs: the next ones go to the compile workers "
+                            "without a look-up here", MISSES_BEFORE_COLD)
+        else:
+            _misses_in_a_row = 0
+            return compiled
     try:
         if isinstance(packed, str):
             raise RuntimeError(packed)

@@ -45,13 +45,17 @@ def fresh_dynamo():
 @pytest.fixture(autouse=True)
 def compile_workers_first_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """compile_workers.first_step_done() marks the whole process (the launcher's tests call it):
-    each test starts with the mark as the process had it, no hold and no graph pending."""
+    each test starts with the mark as the process had it, no hold, no graph pending and no
+    first step seen."""
     monkeypatch.setattr(compile_workers, "_first_step_done", compile_workers._first_step_done)
     monkeypatch.setattr(compile_workers, "_held", set())  # a failed test's hold stays with it
     monkeypatch.setattr(compile_workers, "_kept", weakref.WeakSet())
     # Graphs and jobs a test left in the workers (its model gone) are not the next test's.
     monkeypatch.setattr(compile_workers, "_unswitched", [])
     monkeypatch.setattr(compile_workers, "_out", [])
+    # Each test's graphs are looked up in the caches, whatever the tests before it missed.
+    monkeypatch.setattr(compile_workers, "_misses_in_a_row", 0)
+    monkeypatch.setattr(compile_workers, "_first_step_start", None)
 
 
 @pytest.fixture(autouse=True)

@@ -644,6 +644,47 @@ def test_a_graph_no_pool_takes_compiles_in_this_process_with_a_warning(monkeypat
     assert stats.worker_graphs_started == 0 and compile_workers.pending() == 0
 
 
+def test_after_a_run_of_misses_graphs_go_to_the_workers_unlooked_up_until_a_worker_finds_one_cached(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Cold, each look-up before a hand-over misses and costs the step AOTAutograd's cache key:
+    after MISSES_BEFORE_COLD in a row the next graphs go without it; a worker that found its
+    graph in the caches (they are warm after all) brings the look-up back."""
+    submitted: list[concurrent.futures.Future] = []
+
+    def submit(*args: Any) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.add_done_callback(compile_workers._back)
+        submitted.append(future)
+        return future
+
+    monkeypatch.setattr(compile_workers, "_submit", submit)
+    monkeypatch.setattr(compile_workers, "_stop_when_idle", lambda: None)  # (no pool to stop)
+    x = torch.randn(4, 4)
+    gm, inputs = _traced(_sine, x)
+    looked_up = []
+
+    def compile_here(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        looked_up.append(graph)
+        raise compile_workers._NotCached  # every look-up misses
+
+    def hand_over() -> Callable:
+        return compile_workers.compile_in_workers(gm, inputs, _eager, compile_here, Stats(), "graph 13/0", False)
+
+    misses = compile_workers.MISSES_BEFORE_COLD
+    graphs = [hand_over() for _ in range(misses + 2)]
+    assert len(looked_up) == misses and len(submitted) == misses + 2
+    assert all(isinstance(graph, WorkerGraph) for graph in graphs)
+    submitted[0].set_result(_report(autograd_cache_miss=1, autograd_cache_saved=1))  # compiled: still cold
+    hand_over()
+    assert len(looked_up) == misses
+    submitted[1].set_result(_report(autograd_cache_hit=1))  # its worker found it in the caches
+    hand_over()
+    assert len(looked_up) == misses + 1 and len(submitted) == misses + 4
+    for future in submitted[2:]:
+        future.set_result(_report())
+
+
 class _WorkerError(RuntimeError):
     pass
 
@@ -849,6 +890,24 @@ def test_wait_and_load_runs_each_loaded_graph_once_on_zeros_and_leaves_the_train
     recorded(x, w)
     without_grad(x, w)
     assert [len(r) for r in runs] == [3, 1, 2] and w.grad is not None  # all compiled, on the real inputs
+
+
+def test_each_graph_loaded_says_when_in_the_first_step_it_was_handed_over_back_and_loaded() -> None:
+    """The first step's timeline (stats()["worker_compiles"]): which graphs it waited for, and
+    whether for their workers or for their loads here."""
+    compile_workers.step_started()  # the first step starts: the timeline's zero
+    x = torch.randn(3, 4)
+    gm, inputs = _traced(_sine, x)
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    stats = Stats()
+    WorkerGraph(gm, compile_workers._pack_graph(gm, inputs), _loaded_by_hand([]), future, stats, "graph 14/0", False)
+    time.sleep(0.3)
+    future.set_result(WorkerCompile({}, time.time() - 0.1, 0.1, CompileClock().since()))  # queued 0.2 s, compiled 0.1 s
+    assert compile_workers.wait_and_load() == 1
+    [record] = stats.worker_compiles
+    assert 0 <= record["handed_over_at_s"] < record["back_at_s"] <= record["loaded_at_s"]
+    assert record["back_at_s"] - record["handed_over_at_s"] >= 0.29 and record["queued_s"] >= 0.19
+    assert record["first_run_s"] >= 0  # run once on zeros (a forward and a backward)
 
 
 def test_a_graph_with_integer_inputs_or_whose_first_run_fails_runs_compiled_from_its_next_call() -> None:
