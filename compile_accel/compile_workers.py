@@ -94,7 +94,7 @@ _pool: Any = None  # up from start() or the first graph handed over until idle (
 _out: list[concurrent.futures.Future] = []  # the running pool's jobs not yet back
 _unswitched: list[WorkerGraph] = []  # handed to the workers, not yet running compiled
 _first_step_done = False  # set by first_step_done(), for the rest of the process
-_first_step_start: float | None = None  # time.time() at the first step_started(): the timeline's zero
+_first_step_start: float | None = None  # time.time() at the first step_started() (the model's first forward)
 _switched = 0  # graphs handed to the workers that run compiled here now, for the rest of the process
 _held: set[int] = set()  # id()s of the Stats whose graphs hold_switches keeps uncompiled
 _kept: weakref.WeakSet = weakref.WeakSet()  # the holders keep_running keeps the pool up for
@@ -109,9 +109,10 @@ _idle_check_lock = threading.Lock()  # (taken on the pool's reader thread too, n
 # (benchmarks/results/h200_worker_warm_up/).
 GRAPHS_AT_ONCE = 4
 # A graph's look-up in the caches before its hand-over costs the step AOTAutograd's cache key
-# (sd-scripts' SDXL: 1.8 s for 36 graphs, cold). After this many misses in a row (a cold cache)
-# graphs go to the workers without it, where one the caches hold is a quick hit, until a graph is
-# found in them again.
+# (sd-scripts' SDXL, cold: 2.0-2.2 s of AOTAutograd in its first step, 0.85-0.94 s with the
+# look-ups stopped after 4; benchmarks/results/h200_first_step_timeline/). After this many misses
+# in a row (a cold cache) graphs go to the workers without it, where one the caches hold is a
+# quick hit, until a graph is found in them again.
 MISSES_BEFORE_COLD = 4
 _misses_in_a_row = 0  # look-ups before hand-overs that missed since the last graph found in the caches
 # Until the first step is done, an idle pool waits this long for more graphs: a first step hands
@@ -174,9 +175,9 @@ def _back(future: concurrent.futures.Future) -> None:
     # On the pool's reader thread, so no _lock here: the idle check runs on a timer's thread.
     global _last_back, _misses_in_a_row
     _last_back = time.monotonic()
-    if future.exception() is None and isinstance(future.result(), WorkerCompile):
-        if future.result().aot_autograd.get("autograd_cache_hit"):  # the caches are warm after all
-            _misses_in_a_row = 0
+    report = future.result() if future.exception() is None else None
+    if isinstance(report, WorkerCompile) and report.aot_autograd.get("autograd_cache_hit"):
+        _misses_in_a_row = 0  # the caches are warm after all
     _stop_when_idle()
 
 
