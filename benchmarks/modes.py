@@ -12,9 +12,9 @@ from compile_accel.config import cuda_graph_refusal
 CUDA_GRAPHS = "+cudagraphs"  # compile_mode="reduce-overhead": each compiled graph replayed as a CUDA graph
 
 MODES_HELP = (
-    "eager, eager+ckpt, whole+ckpt, selective+ckpt, blocks+ckpt, blocks+budget=B, blocks+auto; each optionally "
-    "followed by +offload=F[+act][+int8], +ddp=N or +split=N; blocks+budget=B, blocks+auto or selective+ckpt alone "
-    "optionally followed by +cudagraphs"
+    "eager, eager+ckpt, whole+ckpt, perblock+ckpt, selective+ckpt, blocks+ckpt, blocks+budget=B, blocks+auto; each "
+    "optionally followed by +offload=F[+act][+int8], +ddp=N or +split=N; blocks+budget=B, blocks+auto or "
+    "selective+ckpt alone optionally followed by +cudagraphs"
 )
 
 # With no --modes: the library's main job (docs/bench.md), eager+ckpt first as the baseline of the "vs" column.
@@ -33,7 +33,9 @@ class ModeSpec:
     name: str
     config: CompileConfig
     checkpointing: bool
-    whole_model: bool = False
+    # torch.compile applied by the bench itself, as other trainers do, not by compile_accel:
+    # "model" (sd-scripts' --torch_compile) or "blocks" (each block, the peers' per-block compile).
+    torch_compile: str | None = None
     offload: OffloadSpec | None = None
     ddp: int = 1  # data-parallel processes
     split: int = 1  # GPUs the blocks are split across
@@ -89,7 +91,9 @@ def _parse_compile_mode(spec: str) -> ModeSpec:
     if head == "eager" and rest in ("", "ckpt"):
         return ModeSpec(spec, CompileConfig(mode="off"), rest == "ckpt")
     if head == "whole" and rest == "ckpt":
-        return ModeSpec(spec, CompileConfig(mode="off"), True, whole_model=True)
+        return ModeSpec(spec, CompileConfig(mode="off"), True, torch_compile="model")
+    if head == "perblock" and rest == "ckpt":
+        return ModeSpec(spec, CompileConfig(mode="off"), True, torch_compile="blocks")
     if head == "selective" and rest == "ckpt":
         return ModeSpec(spec, CompileConfig(mode="selective"), True)
     if head == "blocks" and rest == "ckpt":

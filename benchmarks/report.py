@@ -8,6 +8,7 @@ from typing import Any
 
 from compile_accel.compile_profile import PHASES
 
+from . import gpu_like
 from .measure import KERNEL_KINDS
 
 
@@ -94,7 +95,10 @@ def _seconds(value: float | None) -> str:
 
 
 def cap_note(report: dict[str, Any]) -> str:
-    """What a run under --vram-cap-gib measured: a smaller card's memory at this GPU's speed."""
+    """What a run under --vram-cap-gib measured: a smaller card's memory at this GPU's speed; under
+    --gpu-like, the card's emulation as measured."""
+    if "gpu_like" in report:
+        return gpu_like.note(report["gpu_like"])
     cap = report.get("settings", {}).get("vram_cap_gib")
     if cap is None:
         return ""

@@ -56,6 +56,7 @@ from compile_accel.memory import gib_argument as _gib
 from compile_accel.placement import split_blocks
 from compile_accel.preload import start_preloading
 
+from . import gpu_like
 from .measure import (
     cap_gpu_memory,
     gpu_time_per_step,
@@ -88,6 +89,7 @@ class BenchSettings:
     vram_cap_gib: float | None = None
     compile_workers: int = 0
     compile_workers_wait: bool = False
+    gpu_sms: int | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, device: str) -> BenchSettings:
@@ -192,6 +194,13 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
         "workers and reports when the last graph was back",
     )
     parser.add_argument(
+        "--gpu-sms",
+        type=_whole_number(1),
+        metavar="N",
+        help="GPU only: each mode runs its CUDA work on a green context of N SMs, as on a smaller card "
+        "(--gpu-like chooses N by measurement)",
+    )
+    parser.add_argument(
         "--compile-workers-wait",
         action="store_true",
         help="with --compile-workers: the first step waits for the workers' graphs and loads them "
@@ -272,8 +281,11 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
     run_cache = None
     if HAS_CACHE_ARTIFACTS and acceleration.regions:
         run_cache = RunCompileCache(model, acceleration.signature, acceleration)
-    if spec.whole_model:
+    if spec.torch_compile == "model":
         model.compile()
+    elif spec.torch_compile == "blocks":
+        blocks = [block for block_list in acceleration.block_lists for block in block_list.blocks]
+        compile_each_block(blocks, _swapped_blocks(model, blocks))
     if spec.ddp > 1:
         _wrap_ddp(bench, device)
     if spec.split > 1:
@@ -383,7 +395,7 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
                     param.copy_(before)
             output = _inference_output(bench, device)
             stats["offload"]["int8_output_rel_error"] = ((output - bf16_output).norm() / bf16_output.norm()).item()
-    if spec.whole_model:
+    if spec.torch_compile is not None:
         counters = torch._dynamo.utils.counters
         stats.update(
             unique_graphs=counters["stats"]["unique_graphs"], graph_breaks=sum(counters["graph_break"].values())
@@ -412,6 +424,35 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
         processes=spec.ddp,
         devices=spec.ddp * spec.split,
     )
+
+
+# sd-scripts' docs for its per-block --compile recommend this recompile limit
+# (docs/anima_torch_compile.md): each bucket shape compiles once more.
+PER_BLOCK_RECOMPILE_LIMIT = 32
+
+
+def compile_each_block(blocks: list[nn.Module], swapped: list[nn.Module]) -> None:
+    """The peers' per-block compile, as musubi-tuner's, OneTrainer's and sd-scripts' Anima
+    `--compile` do it: each block `torch.compile`d as a module (default mode, dynamic=None), the
+    model's own checkpointing left around or inside it. The `swapped` blocks (their weights moved
+    by a block swap) keep their Linear layers out of the compiled code, as those trainers do."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.7
+    setattr(config, name, max(getattr(config, name), PER_BLOCK_RECOMPILE_LIMIT))
+    for block in swapped:
+        for linear in block.modules():
+            if isinstance(linear, nn.Linear):
+                linear.forward = torch._dynamo.disable(linear.forward)
+    for block in blocks:
+        block.compile()
+
+
+def _swapped_blocks(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
+    """The blocks sd-scripts' block swap keeps on the CPU (--blocks-to-swap) while the rest of the
+    model is on the GPU."""
+    if not any(p.is_cuda for p in model.parameters()):
+        return []
+    return [block for block in blocks if not any(p.is_cuda for p in block.parameters())]
 
 
 def _await_compile_workers(
@@ -560,7 +601,10 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         # Windows builds of torch have no NCCL.
         dist.init_process_group("nccl" if args.device == "cuda" and dist.is_nccl_available() else "gloo")
-    if spec.config.mode != "off" or spec.whole_model:
+    # Before any CUDA work: this thread's work, and the backward of it, runs on the restricted stream.
+    if settings.gpu_sms:
+        gpu_like.restrict(settings.gpu_sms)
+    if spec.config.mode != "off" or spec.torch_compile is not None:
         # Beside the model's build, as the sd-scripts launcher does beside the trainer's set-up.
         start_preloading()
         if settings.compile_workers and spec.config.mode != "off" and compile_workers.SUPPORTED:

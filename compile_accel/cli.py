@@ -185,7 +185,7 @@ def _plot(ran: dict, path: Path) -> str:
 def bench(args: argparse.Namespace) -> int:
     import torch
 
-    from .benchmarks import runner
+    from .benchmarks import gpu_like, runner
     from .benchmarks.modes import DEFAULT_MODES, parse_mode
     from .benchmarks.report import markdown_table, measured
     from .compile_workers import WAIT_WITH_AUTO
@@ -208,11 +208,25 @@ def bench(args: argparse.Namespace) -> int:
     if args.compile_workers_wait and auto:
         return _refuse(f"--compile-workers-wait: {auto[0]} {WAIT_WITH_AUTO}")
     refusal = _sd_scripts_option_refusal(args, specs) or _vram_cap_refusal(args, device)
+    if not refusal and (args.gpu_like or args.gpu_sms):
+        flag = "--gpu-like" if args.gpu_like else "--gpu-sms"
+        refusal = gpu_like.refusal(flag, device, specs, args.vram_cap_gib)
     if refusal:
         return _refuse(refusal)
     recording = [s.name for s in specs if s.config.compile_mode in CUDA_GRAPH_MODES]
     if recording and device == "cpu":
         return _refuse(f"{recording[0]} records CUDA graphs, and this run is on the CPU")
+    calibration = None
+    if args.gpu_like:
+        print(f"measuring this GPU's matmul rate at SM counts until it reaches {args.gpu_like}'s ...", file=sys.stderr)
+        try:
+            calibration = gpu_like.calibrate(args.gpu_like)
+        except ValueError as error:
+            return _refuse(f"--gpu-like {args.gpu_like}: {error}")
+        print(gpu_like.note(calibration), file=sys.stderr)
+        if recording and gpu_like.cuda_graph_refusal(calibration):
+            return _refuse(f"{recording[0]}: {gpu_like.cuda_graph_refusal(calibration)}")
+        args.gpu_sms, args.vram_cap_gib = calibration["sms"], calibration["card_spec"]["memory_gib"]
     settings = runner.BenchSettings.from_args(args, device)
     out = Path(args.out) if args.out else None
     if out is not None:
@@ -224,6 +238,8 @@ def bench(args: argparse.Namespace) -> int:
         warm=args.warm or args.compile_profile,
         log_dir=out,
     )
+    if calibration is not None:
+        report["gpu_like"] = calibration
     env, ran = report["environment"], measured(report)
     description = ran["results"][0]["description"] if ran["results"] else f"{args.model} (every mode ran out of memory)"
     print(
@@ -267,6 +283,16 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="--warm, and a table of each mode's first step cold and warm split into compile phases (dynamo, "
         "guards, AOTAutograd, inductor, kernel compilation, autotuning) and running the step",
+    )
+    from .benchmarks.gpu_like import CARDS
+
+    b.add_argument(
+        "--gpu-like",
+        choices=sorted(CARDS),
+        metavar="CARD",
+        help=f"GPU only: measure as that card ({', '.join(sorted(CARDS))}): each mode runs on the fewest SMs whose "
+        "measured bf16 matmul rate reaches the card's, under the card's memory size; the report says what is not "
+        "emulated",
     )
     from .benchmarks.runner import add_settings_arguments
 
