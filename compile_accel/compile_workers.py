@@ -454,6 +454,15 @@ def _kept_meta(meta: dict[str, Any]) -> dict[str, Any]:
     return kept
 
 
+def _stand_in(fake_mode: FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:
+    """A fake of `tensor`, static shapes, without its `.grad`: a parameter's gradient (accumulated
+    over micro-batches, or not zeroed yet after a step) is no input of the graph, and its fake does
+    not pickle."""
+    fake = fake_mode.from_tensor(tensor, static_shapes=True)
+    fake.grad = None
+    return fake
+
+
 def _pack_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> bytes | str:
     """The graph, fake stand-ins for its inputs and what AOTAutograd reads of dynamo's graph
     module, as bytes for a worker; or why it cannot go (a string)."""
@@ -462,7 +471,7 @@ def _pack_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> bytes | 
     if any(type(x) not in (torch.Tensor, torch.nn.Parameter) for x in example_inputs):
         return "it has tensor-subclass inputs"
     fake_mode = FakeTensorMode()  # without a shape env: static shapes, as dynamo gives AOTAutograd
-    fakes = [fake_mode.from_tensor(x, static_shapes=True) for x in example_inputs]
+    fakes = [_stand_in(fake_mode, x) for x in example_inputs]
     placeholders = gm.graph.find_nodes(op="placeholder")
     sources = [getattr(node, "_dynamo_source", None) for node in placeholders]
     plain = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()).__dict__

@@ -644,6 +644,30 @@ def test_a_graph_no_pool_takes_compiles_in_this_process_with_a_warning(monkeypat
     assert stats.worker_graphs_started == 0 and compile_workers.pending() == 0
 
 
+def test_a_graph_whose_parameters_hold_gradients_goes_to_a_worker_on_stand_ins_without_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Gradient accumulation over micro-batches of two shapes (no zero_grad between), or the
+    precompile after a step whose loop zeroes gradients at the next step's start: a parameter's
+    fake kept its .grad, which did not pickle, and the graph compiled in this process."""
+    submitted: list[tuple] = []
+    monkeypatch.setattr(compile_workers, "_submit", lambda *args: submitted.append(args) or concurrent.futures.Future())
+    monkeypatch.setattr(compile_workers, "_misses_in_a_row", compile_workers.MISSES_BEFORE_COLD)  # no look-up here
+    weight = nn.Parameter(torch.randn(4, 4))
+    weight.grad = torch.ones(4, 4)
+    gm, inputs = _traced(lambda t: (t @ weight).sin(), torch.randn(3, 4))
+    assert any(t.grad is not None for t in inputs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # not "could not be handed to a compile worker"
+        graph = compile_workers.compile_in_workers(gm, inputs, _eager, _eager, Stats(), "graph 15/0", False)
+        precompiled = compile_workers.precompile_in_workers(gm, inputs, _eager)
+    assert isinstance(graph, WorkerGraph) and isinstance(precompiled, compile_workers.WorkerPrecompiled)
+    assert len(submitted) == 2
+    _, stand_ins = compile_workers._unpack_graph(graph._packed)
+    assert [(t.grad, t.requires_grad) for t in stand_ins] == [(None, t.requires_grad) for t in inputs]
+    assert torch.equal(weight.grad, torch.ones(4, 4))  # the training's own gradient untouched
+
+
 def test_after_a_run_of_misses_graphs_go_to_the_workers_unlooked_up_until_a_worker_finds_one_cached(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
