@@ -123,12 +123,24 @@ IDLE_SECONDS_BEFORE_FIRST_STEP_DONE = 60.0
 
 def start(count: int) -> None:
     """Start the pool of `count` compile workers now, so that it is up by the first step (a later
-    count is ignored). Each worker's inductor compiles its kernels with a share of the CPU cores
-    (GRAPHS_AT_ONCE), so N workers do not start N full kernel-compile pools."""
+    count is ignored; more than the CPU cores is that many, with a warning). Each worker's inductor
+    compiles its kernels with a share of the CPU cores (GRAPHS_AT_ONCE), so N workers do not start
+    N full kernel-compile pools."""
     global _count
     with _lock:
-        _count = _count or count
+        _count = _count or _at_most_one_per_core(count)
         _running_pool()
+
+
+def _at_most_one_per_core(count: int) -> int:
+    # Each worker is a process that imports torch, and more than the cores compile no faster:
+    # compile_workers=100000 had apply() starting processes until the test's time ran out.
+    cores = os.cpu_count() or 1
+    if count <= cores:
+        return count
+    warn(f"CompileConfig.compile_workers={count} is more than this machine's {cores} CPU cores: "
+         f"using compile_workers={cores}")
+    return cores
 
 
 def _running_pool() -> Any:

@@ -62,7 +62,8 @@ class CompileConfig:
         each graph's compile (AOTAutograd and inductor) to N worker processes (inductor only; not
         on Windows): the step runs each graph uncompiled until it is back, and the graphs of every
         block class and shape compile at the same time (compile_accel.compile_workers). A graph
-        with symbolic shapes (dynamic=True) compiles in this process.
+        with symbolic shapes (dynamic=True) compiles in this process. More than the CPU cores
+        start one per core, with a warning.
     """
 
     mode: str = "selective"

@@ -506,6 +506,19 @@ def test_before_the_first_step_is_done_an_idle_pool_waits_for_more_graphs(monkey
 
 
 @pytest.mark.usefixtures("fake_pool")
+def test_more_compile_workers_than_cpu_cores_start_one_per_core_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """compile_workers=100000 had apply() starting processes until the test's time ran out."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 3)
+    model, _ = build("kohya", "non-reentrant", **ONE_BLOCK_CLASS)
+    with pytest.warns(RuntimeWarning, match=r"CompileConfig\.compile_workers=100000 is more than this machine's 3 CPU "
+                      r"cores: using compile_workers=3"):
+        acceleration = compile_accel.apply(model, CompileConfig(**CONFIG, compile_workers=100000))
+    (pool,) = _FakePool.made
+    assert pool.count == 3 and len(pool.jobs) == 3  # each worker's get-ready job
+    acceleration.remove()
+
+
+@pytest.mark.usefixtures("fake_pool")
 def test_after_the_first_step_the_pool_stops_once_every_graph_is_back_and_starts_again_for_the_next() -> None:
     compile_workers.start(3)
     first = compile_workers._submit("graph 0")
