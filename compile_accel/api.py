@@ -274,7 +274,28 @@ def _compile_blocks(
         else ([], [])
     )
 
-    # Everything above only looked; from here on the regions change the model.
+    # Everything above only looked; from here on the regions change the model. Anything that
+    # raises on the way (a worker pool that cannot start: file descriptors exhausted) is raised
+    # with every change undone, so that the model is as it was and apply() may be called again.
+    acceleration = Acceleration(model, config, block_lists, regions, eager_patches, switches, stats)
+    try:
+        _install(acceleration, shared, offload_ladder, uncheckpointed)
+    except BaseException:
+        acceleration.remove()
+        raise
+    model.__dict__[_MARK] = acceleration
+    return acceleration
+
+
+def _install(
+    acceleration: Acceleration,
+    shared: dict[Callable, CompiledFunction],
+    offload_ladder: ModelOffloadLadder | None,
+    uncheckpointed: list[str],
+) -> None:
+    """_compile_blocks' changes to the model, each undone by `acceleration.remove()`."""
+    model, config, stats = acceleration.model, acceleration.config, acceleration._stats
+    regions, switches = acceleration.regions, acceleration._switches
     checkpointing.turn_off(switches)
     if uncheckpointed:
         warn(
@@ -285,7 +306,7 @@ def _compile_blocks(
         )
     stats.regions = len(regions)
     stats.checkpointing_switched_off = [s.name for s in switches]
-    for patch in eager_patches:
+    for patch in acceleration._eager_patches:
         patch.install()
     for region in regions:
         region.install()
@@ -293,7 +314,6 @@ def _compile_blocks(
         start_compile_workers()
         if config.compile_workers:
             compile_workers.start(config.compile_workers)
-    acceleration = Acceleration(model, config, block_lists, regions, eager_patches, switches, stats)
     if regions and config.compile_workers:
         # Graphs back from the workers switch to compiled at a step's start (compile_workers).
         hook = model.register_forward_pre_hook(lambda *_: compile_workers.step_started())
@@ -306,7 +326,7 @@ def _compile_blocks(
             for fn in shared.values():
                 fn.use_budget(budget, counts, estimate, adopt)
 
-        blocks = [block for block_list in block_lists for block in block_list.blocks]
+        blocks = [block for block_list in acceleration.block_lists for block in block_list.blocks]
 
         def find_ladder(device: torch.device) -> OffloadLadder | None:
             if offload_ladder is not None:
@@ -327,8 +347,6 @@ def _compile_blocks(
     if config.mode == "selective" and config.compile_mode in CUDA_GRAPH_MODES:
         for handle in _watch_selective_cuda_graphs(model, config, stats):
             acceleration.on_remove(handle.remove)
-    model.__dict__[_MARK] = acceleration
-    return acceleration
 
 
 def _watch_uncalled_regions(model: nn.Module, regions: list[Region], stats: Stats) -> RemovableHandle:

@@ -387,6 +387,7 @@ class Region:
         self.owner = _split_method(self.eager)[1]
         self.check_outer_checkpoint = config.activation_memory_budget is not None
         self.calls = 0
+        self.installed = False
         self._tensor_dicts: list[dict[str, torch.Tensor | None]] = []
         self._tensor_dicts_generation = -1
         _watch_module_trees()
@@ -402,12 +403,18 @@ class Region:
 
     def install(self) -> None:
         setattr(self.module, self.method, self)
+        self.installed = True
 
     def uninstall(self) -> None:
+        """Put the module's method back; nothing for a region never installed (an apply() that
+        raised before it got there)."""
+        if not self.installed:
+            return
         if self.module.__dict__.get(self.method) is not self:
             warn(f"{self.spec.name}.{self.method} was replaced after apply(); leaving the replacement in place")
             return
         restore_forward(self.module, self.eager, self.method)
+        self.installed = False
 
     def _resident(self, inputs: list[torch.Tensor]) -> bool:
         if not inputs:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import errno
 import json
 import os
 import subprocess
@@ -1035,6 +1036,38 @@ def test_bad_compile_workers_is_refused_and_changes_nothing(fields: dict, messag
     # No pool started, nothing handed to one.
     assert compile_workers._pool is pool and compile_workers.pending() == handed
 
+
+
+def test_an_apply_whose_worker_pool_cannot_start_raises_with_the_model_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    """File descriptors exhausted: apply() raised with the blocks' forwards replaced and returned
+    nothing to remove() them with; a second apply() stacked a second set, whose forward crashed."""
+    from torch._inductor.compile_worker import subproc_pool
+
+    def no_pipes(*args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(subproc_pool, "SubprocPool", no_pipes)
+    monkeypatch.setattr(compile_workers, "_count", 0)
+    monkeypatch.setattr(compile_workers, "_pool", None)
+    model, _ = build("kohya", "non-reentrant", **ONE_BLOCK_CLASS)
+    inputs = inputs_for(model)
+    expected = model(*inputs)
+
+    def as_built() -> tuple:
+        forwards = {name: module.__dict__.get("forward") for name, module in model.named_modules()}
+        hooks = [len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()]
+        return forwards, hooks, [block.gradient_checkpointing for block in model.single_blocks]
+
+    built = as_built()
+    with pytest.raises(OSError, match="Too many open files"):
+        compile_accel.apply(model, CompileConfig(**CONFIG, compile_workers=WORKERS))
+    assert as_built() == built
+    _untouched(model)
+    acceleration = compile_accel.apply(model, CompileConfig(**CONFIG, backend="aot_eager"))  # applies as to a new model
+    torch.testing.assert_close(model(*inputs), expected)
+    assert acceleration.stats()["compiled_regions"] == acceleration.stats()["regions"] > 0
+    acceleration.remove()
+    assert as_built() == built
 
 
 def test_compile_workers_where_torch_cannot_is_refused_and_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
