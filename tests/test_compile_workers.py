@@ -475,6 +475,7 @@ def fake_pool(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(subproc_pool, "SubprocPool", _FakePool)
     monkeypatch.setattr(_FakePool, "made", [])
+    monkeypatch.setattr(os, "cpu_count", lambda: 12)  # (at most one worker per core)
     for name, value in (("_count", 0), ("_pool", None), ("_out", []), ("_first_step_done", False)):
         monkeypatch.setattr(compile_workers, name, value)
     monkeypatch.setattr(compile_workers, "IDLE_SECONDS_BEFORE_FIRST_STEP_DONE", 2.0)
