@@ -25,6 +25,12 @@ workers. A graph the caches cannot hold (AOTAutograd bypasses them: torch logs w
 compile in the worker failed, compiles here at its first call after, with a warning. torch's
 subprocess pool passes file descriptors to its children: not on Windows.
 
+A pool whose process exits though nobody stopped it (killed: an out-of-memory kill, `pkill -f
+compile_worker`; crashed) is found at the next hand-over, or within LIVENESS_CHECK_SECONDS by any
+wait on the workers: warned about once, its jobs still out fail (their graphs compile here, as
+after a worker's failure), and every later graph compiles here: no wait and no write to its pipe
+outlives it.
+
 GPU memory: a worker that compiled a graph holds a CUDA context of its own (~520 MiB each on an
 H100, torch 2.11: its fake CUDA tensors and the kernels it loads), outside the training
 process's memory. The pool stops once every graph handed to it is back and the first step is
@@ -40,6 +46,7 @@ import contextlib
 import logging
 import os
 import pickle
+import subprocess
 import sys
 import threading
 import time
@@ -94,6 +101,7 @@ _pool: Any = None  # up from start() or the first graph handed over until idle (
 _out: list[concurrent.futures.Future] = []  # the running pool's jobs not yet back
 _unswitched: list[WorkerGraph] = []  # handed to the workers, not yet running compiled
 _first_step_done = False  # set by first_step_done(), for the rest of the process
+_workers_exited: str | None = None  # why the pool's process exited unasked: from then on graphs compile here
 _first_step_start: float | None = None  # time.time() at the first step_started() (the model's first forward)
 _switched = 0  # graphs handed to the workers that run compiled here now, for the rest of the process
 _held: set[int] = set()  # id()s of the Stats whose graphs hold_switches keeps uncompiled
@@ -119,6 +127,13 @@ _misses_in_a_row = 0  # look-ups before hand-overs that missed since the last gr
 # its graphs over in waves (sd-scripts' SDXL: 40 s apart on an H100, as dynamo and AOTAutograd
 # reach the next blocks, or the backward's), and a new pool takes seconds to start.
 IDLE_SECONDS_BEFORE_FIRST_STEP_DONE = 60.0
+# A wait on the workers checks this often that their pool's process is alive.
+LIVENESS_CHECK_SECONDS = 1.0
+
+
+class WorkersExited(RuntimeError):
+    """The compile workers' pool process exited though nobody stopped it: graphs compile in the
+    training process from then on."""
 
 
 def start(count: int) -> None:
@@ -127,7 +142,7 @@ def start(count: int) -> None:
     compiles its kernels with a share of the CPU cores (GRAPHS_AT_ONCE), so N workers do not start
     N full kernel-compile pools."""
     global _count
-    with _lock:
+    with _lock, contextlib.suppress(WorkersExited):  # (warned about once: graphs compile here)
         _count = _count or _at_most_one_per_core(count)
         _running_pool()
 
@@ -144,11 +159,11 @@ def _at_most_one_per_core(count: int) -> int:
 
 
 def _running_pool() -> Any:
-    # Called with _lock held.
+    # Called with _lock held. WorkersExited once a pool's process exited unasked (_check_alive).
     global _pool
-    if _pool is not None and not getattr(_pool, "running", True):  # its workers exited
-        atexit.unregister(_pool.shutdown)
-        _pool = None
+    _check_alive()
+    if _workers_exited is not None:
+        raise WorkersExited(_workers_exited)
     if _pool is None:
         from torch._inductor.compile_worker.subproc_pool import SubprocKind, SubprocPool
 
@@ -159,6 +174,7 @@ def _running_pool() -> Any:
         # environment as it is now.
         with mock.patch.dict(os.environ, {"TORCHINDUCTOR_COMPILE_THREADS": threads}):
             _pool = SubprocPool(_count, kind=SubprocKind.SPAWN)
+        _close_its_pipe_ends(_pool)
         atexit.register(_pool.shutdown)
         logger.info("started %d compile workers", _count)
         # One per worker, as each starts (a worker may take two: the second costs nothing); not
@@ -168,6 +184,82 @@ def _running_pool() -> Any:
     return _pool
 
 
+def _close_its_pipe_ends(pool: Any) -> None:
+    """Close this process's copies of the pipe ends torch's pool passed to its process, which torch
+    keeps open: then a process that exits closes the pipes, so that the pool's reader sees their
+    end (and fails the jobs out) and a write to them raises, instead of waiting for ever on a
+    process that is gone. (Each is checked to be the other end of one of the pool's own pipes.)"""
+    for argument in pool.process.args:
+        option, _, fd = str(argument).partition("=")
+        if option in ("--read-fd", "--write-fd"):
+            with contextlib.suppress(OSError):  # (closed already: a torch that closes them itself)
+                if os.fstat(int(fd)).st_ino in _pipe_inodes(pool):
+                    os.close(int(fd))
+
+
+def _pipe_inodes(pool: Any) -> set[int]:
+    return {os.fstat(pipe.fileno()).st_ino for pipe in (pool.read_pipe, pool.write_pipe)}
+
+
+def _check_alive() -> None:
+    """Give the pool up if its process exited though nobody stopped it (stopping sets _pool to
+    None first). Called with _lock held."""
+    pool = _pool
+    if pool is not None and not (pool.running and pool.process.poll() is None):
+        _give_up(pool)
+
+
+def _give_up(pool: Any) -> None:
+    """The pool's process exited, or its pipe broke: its jobs still out fail, and graphs compile
+    here from now on, with one warning. Called with _lock held."""
+    global _pool, _workers_exited
+    # (Once torch's reader found the pipe closed, the process is exiting: its exit code comes.)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        pool.process.wait(LIVENESS_CHECK_SECONDS)
+    code = pool.process.returncode
+    _pool = None
+    _workers_exited = "its pipe broke" if code is None else f"exit code {code}"
+    for future in _out:
+        with contextlib.suppress(concurrent.futures.InvalidStateError):  # (done meanwhile)
+            future.set_exception(WorkersExited(_workers_exited))
+    # Not shut down: its process is gone, and a write to its pipe might never return.
+    atexit.unregister(pool.shutdown)
+    warn(f"the compile workers' pool process exited ({_workers_exited}: killed, out of memory or crashed): the "
+         "graphs it had and every later one compile in this process")
+
+
+def _lost_with_the_pool(error: BaseException) -> bool:
+    """Whether a job failed because its pool's process exited (warned about once), not in its worker."""
+    from torch._inductor.compile_worker.subproc_pool import SubprocException
+
+    with _lock:
+        _check_alive()
+        return _workers_exited is not None and not isinstance(error, SubprocException)
+
+
+def _compiles_here(message: str, pool_exited: bool) -> None:
+    """Say that a graph compiles in this process: a warning, or a log line where that is because the
+    pool's process exited (warned about once, _give_up)."""
+    if pool_exited:
+        logger.info(message)
+    else:
+        warn(message)
+
+
+def _as_completed(futures: list[concurrent.futures.Future]) -> Iterator[concurrent.futures.Future]:
+    """Each of `futures` as it is done (concurrent.futures.as_completed), the pool's process checked
+    every LIVENESS_CHECK_SECONDS: once it exited, its jobs fail (_check_alive) and the wait ends."""
+    waiting = set(futures)
+    while waiting:
+        done, waiting = concurrent.futures.wait(
+            waiting, LIVENESS_CHECK_SECONDS, return_when=concurrent.futures.FIRST_COMPLETED
+        )
+        yield from done
+        if not done:
+            with _lock:
+                _check_alive()
+
+
 def _log_not_ready(future: concurrent.futures.Future) -> None:
     # A graph's compile in that worker gets ready again first, and fails there with the error.
     if future.exception() is not None:
@@ -175,9 +267,15 @@ def _log_not_ready(future: concurrent.futures.Future) -> None:
 
 
 def _submit(*args: Any) -> concurrent.futures.Future:
-    """Hand one graph's compile to the pool (started again if it was shut down)."""
+    """Hand one graph's compile to the pool (started again if it was shut down); WorkersExited
+    once its process exited unasked."""
     with _lock:
-        future = _running_pool().submit(*args)
+        pool = _running_pool()
+        try:
+            future = pool.submit(*args)
+        except OSError as error:  # its pipe closed: the process exited as this was written
+            _give_up(pool)
+            raise WorkersExited(_workers_exited) from error
         _out.append(future)
     future.add_done_callback(_back)
     return future
@@ -234,6 +332,7 @@ def _stop_if_idle(pool: Any, idle_seconds: float) -> None:
     came back in the last `idle_seconds` (a later graph back arms the check again)."""
     global _pool
     with _lock:
+        _check_alive()
         _out[:] = [future for future in _out if not future.done()]
         # (A timer may fire a hair early: 10 ms of slack.)
         if (
@@ -270,6 +369,7 @@ def running() -> bool:
     is out, nobody keeps it (`keep_running`) and the first step is done (before that, after 60 s
     without one)."""
     with _lock:
+        _check_alive()
         return _pool is not None
 
 
@@ -316,7 +416,8 @@ def wait() -> int:
     waiting = pending()
     with _lock:
         futures = [graph.future for graph in _unswitched if graph.future is not None] + _out
-    concurrent.futures.wait(futures)
+    for _ in _as_completed(futures):
+        pass  # (until every one is done, or failed with the pool's process)
     return waiting
 
 
@@ -344,7 +445,7 @@ def wait_and_load() -> int:
             len(graphs), sum(future.done() for future in graphs), _since_first_step(time.time()),
         )
     start = time.perf_counter()
-    for future in concurrent.futures.as_completed(graphs):
+    for future in _as_completed(list(graphs)):
         graphs[future]._switch()
         graphs[future].run_once_on_stand_ins()
     wait()
@@ -707,13 +808,14 @@ class WorkerGraph:
             future, self.future = self.future, None
             if future is None:
                 return
-            problem, report = None, None
+            problem, report, lost = None, None, False
             try:
                 report = future.result()
                 if report.aot_autograd.get("autograd_cache_bypass"):
                     problem = "AOTAutograd's cache cannot hold it (the worker's torch logged why)"
-            except Exception as error:  # the worker's compile error
+            except Exception as error:  # the worker's compile error, or its pool's process gone
                 problem = f"{type(error).__name__}: {error}"
+                lost = _lost_with_the_pool(error)
             hits = _aot_cache_hits()
             start = time.perf_counter()
             try:
@@ -730,7 +832,8 @@ class WorkerGraph:
                 problem = "what it compiled was not found in AOTAutograd's cache"
             if problem is not None:
                 self._stats.worker_failures.append(f"{self._label}: {problem}")
-                warn(f"{self._label} did not compile in a worker ({problem}); compiled in this process ({seconds:.1f} s)")
+                _compiles_here(f"{self._label} did not compile in a worker ({problem}); compiled in this process "
+                               f"({seconds:.1f} s)", lost)
                 return
             self._stats.worker_graphs_compiled += 1
             queued = max(0.0, report.started - self._handed_over)
@@ -957,8 +1060,9 @@ def compile_in_workers(
             raise RuntimeError(packed)
         state = _runtime_state()
         future = _submit(_compile_in_worker, _job(packed, compiler, state), _cache_env())
-    except Exception as error:  # a graph or setting that does not pickle; no pool could start
-        warn(f"{label} could not be handed to a compile worker ({error}); it compiles in this process")
+    except Exception as error:  # a graph or setting that does not pickle; no pool could start, or it exited
+        _compiles_here(f"{label} could not be handed to a compile worker ({error}); it compiles in this process",
+                       isinstance(error, WorkersExited))
         return compile_here(gm, example_inputs)
     stats.worker_graphs_started += 1
     return WorkerGraph(gm, packed, compile_here, future, stats, label, checkpointed, state, cuda_graphs)

@@ -56,6 +56,8 @@ def compile_workers_first_step(monkeypatch: pytest.MonkeyPatch) -> None:
     # Each test's graphs are looked up in the caches, whatever the tests before it missed.
     monkeypatch.setattr(compile_workers, "_misses_in_a_row", 0)
     monkeypatch.setattr(compile_workers, "_first_step_start", None)
+    # A test that killed the workers' pool leaves the next one workers to start.
+    monkeypatch.setattr(compile_workers, "_workers_exited", None)
 
 
 @pytest.fixture(autouse=True)

@@ -15,6 +15,7 @@ import contextlib
 import errno
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -449,6 +450,15 @@ def test_auto_runs_its_traced_step_uncompiled_under_checkpoints_while_workers_pa
     torch._dynamo.reset()
 
 
+class _FakeProcess:
+    """The pool's process, running, with no pipe ends of ours to close."""
+
+    args: list[str] = []
+
+    def poll(self) -> None:
+        return None
+
+
 class _FakePool:
     """SubprocPool's part that compile_workers uses, its futures finished by hand."""
 
@@ -457,6 +467,7 @@ class _FakePool:
     def __init__(self, count: int, kind: Any) -> None:
         self.count, self.futures, self.jobs, self.shut_down = count, [], [], threading.Event()
         self.threads = os.environ["TORCHINDUCTOR_COMPILE_THREADS"]
+        self.running, self.process = True, _FakeProcess()
         _FakePool.made.append(self)
 
     def submit(self, *args: Any) -> concurrent.futures.Future:
@@ -1081,3 +1092,116 @@ def test_compile_workers_where_torch_cannot_is_refused_and_changes_nothing(monke
         compile_accel.apply(model, CompileConfig(**CONFIG, compile_workers=WORKERS))
     _untouched(model)
     assert compile_workers._pool is pool
+
+
+# Killing the workers' pool process (an out-of-memory kill, a crash, `pkill -f compile_worker`):
+# the parent kept its child's pipe ends open, so torch's reader never saw the pipe close, the
+# waits never returned and later graphs went to a process that was gone.
+HANG = 60.0  # seconds: far above what a wait takes once it notices the pool gone
+
+
+@pytest.fixture(params=["pipe ends closed", "pipe ends kept open"])
+def kill_pool(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
+    """A real pool of one worker, graphs handed to it without a look-up here, and what kills its
+    process (torch's SubprocPool's, whose children the workers are) with SIGKILL. With the pipe
+    ends kept open (as torch keeps them), only the liveness checks can tell it is gone."""
+    for name, value in (("_count", 0), ("_pool", None), ("_out", []), ("_first_step_done", False)):
+        monkeypatch.setattr(compile_workers, name, value)
+    if request.param == "pipe ends kept open":
+        monkeypatch.setattr(compile_workers, "_close_its_pipe_ends", lambda pool: None)
+    monkeypatch.setattr(compile_workers, "_misses_in_a_row", compile_workers.MISSES_BEFORE_COLD)
+    compile_workers.start(1)
+    process = compile_workers._pool.process
+
+    def kill() -> None:
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(HANG)
+
+    yield kill
+    compile_workers.stop()
+
+
+def _within_deadline(call: Callable[[], Any]) -> Any:
+    """What `call` returns, run in a thread of its own; fails (not hangs) past HANG seconds."""
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(call()), daemon=True)
+    thread.start()
+    thread.join(HANG)
+    assert not thread.is_alive(), f"still waiting after {HANG:.0f} s"
+    return result[0]
+
+
+def _ours(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if str(w.message).startswith("compile_accel:")]
+
+
+def _handed_over(label: str, runs: list, stats: Stats) -> Callable:
+    x = torch.randn(3, 4)
+    gm, inputs = _traced(_sine, x)
+    return compile_workers.compile_in_workers(gm, inputs, _eager, _loaded_by_hand(runs), stats, label, False)
+
+
+pool_killing = pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL")
+
+
+@pool_killing
+def test_graphs_after_the_pool_process_was_killed_compile_here_with_one_warning(kill_pool: Callable) -> None:
+    """New shapes after the kill: the first one's graph went to the dead pool for ever, the next
+    one's write to its pipe could block the forward."""
+    kill_pool()
+    stats = Stats()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graphs = _within_deadline(lambda: [_handed_over(f"graph 16/{i}", [], stats) for i in range(2)])
+    [warning] = _ours(caught)
+    assert "the compile workers' pool process exited (exit code -9" in warning
+    assert not any(isinstance(graph, WorkerGraph) for graph in graphs)  # compiled here, at once
+    assert stats.worker_graphs_started == 0 and not compile_workers.running()
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(graphs[1](x)[0], _sine(x))
+
+
+@pool_killing
+def test_a_wait_on_a_killed_pool_returns_and_its_graph_compiles_here_with_one_warning(kill_pool: Callable) -> None:
+    stats, runs = Stats(), []
+    graph = _handed_over("graph 17/0", runs, stats)
+    assert isinstance(graph, WorkerGraph) and stats.worker_graphs_started == 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        waiting = threading.Timer(0.5, kill_pool)  # killed while wait_and_load waits for it
+        waiting.start()
+        assert _within_deadline(compile_workers.wait_and_load) == 1
+        waiting.join()
+        assert _within_deadline(compile_workers.wait) == 0
+    [warning] = _ours(caught)
+    assert "the compile workers' pool process exited (exit code -9" in warning
+    assert graph.future is None and graph._compiled is not None and runs  # compiled here, run on zeros
+    assert stats.worker_graphs_compiled == 0 and len(stats.worker_failures) == 1
+    assert stats.worker_failures[0].startswith("graph 17/0: ")
+    assert compile_workers.pending() == 0 and not compile_workers.running()
+
+
+@pool_killing
+def test_a_pool_killed_while_a_graph_loads_leaves_the_others_to_compile_here_with_one_warning(
+    kill_pool: Callable,
+) -> None:
+    x = torch.randn(3, 4)
+    gm, inputs = _traced(_sine, x)
+
+    def killed_as_it_loads(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        kill_pool()
+        return _loaded_by_hand([])(graph, example_inputs)
+
+    back_stats, out_stats = Stats(), Stats()
+    back = WorkerGraph(gm, compile_workers._pack_graph(gm, inputs), killed_as_it_loads, _back(), back_stats,
+                       "graph 18/0", False)
+    out = _handed_over("graph 18/1", [], out_stats)
+    assert isinstance(out, WorkerGraph)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _within_deadline(compile_workers.wait_and_load) == 2
+    [warning] = _ours(caught)
+    assert "the compile workers' pool process exited (exit code -9" in warning
+    assert back_stats.worker_graphs_compiled == 1 and back_stats.worker_failures == []  # the worker's, loaded
+    assert out_stats.worker_graphs_compiled == 0 and len(out_stats.worker_failures) == 1  # compiled here
+    assert back.future is None and out.future is None and compile_workers.pending() == 0
