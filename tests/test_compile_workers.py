@@ -454,8 +454,12 @@ class _FakeProcess:
     """The pool's process, running, with no pipe ends of ours to close."""
 
     args: list[str] = []
+    returncode = None
 
     def poll(self) -> None:
+        return None
+
+    def wait(self, timeout: float) -> None:
         return None
 
 
@@ -1205,3 +1209,25 @@ def test_a_pool_killed_while_a_graph_loads_leaves_the_others_to_compile_here_wit
     assert back_stats.worker_graphs_compiled == 1 and back_stats.worker_failures == []  # the worker's, loaded
     assert out_stats.worker_graphs_compiled == 0 and len(out_stats.worker_failures) == 1  # compiled here
     assert back.future is None and out.future is None and compile_workers.pending() == 0
+
+
+@pytest.mark.usefixtures("fake_pool")
+def test_a_pool_whose_pipe_breaks_as_a_graph_is_written_is_given_up_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its process exited between the liveness check and the write (the pipe ends closed here)."""
+    def broken_pipe(*args: Any) -> None:
+        raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+    compile_workers.start(2)
+    (pool,) = _FakePool.made
+    monkeypatch.setattr(pool, "submit", broken_pipe)
+    monkeypatch.setattr(compile_workers, "_misses_in_a_row", compile_workers.MISSES_BEFORE_COLD)
+    stats = Stats()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graphs = [_handed_over(f"graph 19/{i}", [], stats) for i in range(2)]
+    [warning] = _ours(caught)
+    assert "the compile workers' pool process exited (its pipe broke" in warning
+    assert not any(isinstance(graph, WorkerGraph) for graph in graphs) and stats.worker_graphs_started == 0
+    assert len(_FakePool.made) == 1 and not compile_workers.running()  # no pool started again
