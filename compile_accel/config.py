@@ -9,6 +9,10 @@ MODES = ("off", "selective", "blocks")
 INDUCTOR_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # inductor's modes that turn its CUDA graphs on
 WITHOUT_CUDA_GRAPHS = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
+# The largest vram_limit_gib: 1 PiB, thousands of times any one GPU's memory, so a larger limit
+# is a typo; in bytes it stays an exact int64, which torch's memory counters are (1e300 GiB
+# overflowed auto's byte count at the first step).
+MAX_VRAM_LIMIT_GIB = 2**20
 
 
 def _is_number(value: object) -> bool:
@@ -29,8 +33,9 @@ class CompileConfig:
         checkpointing as it is. "auto" predicts each budget's peak memory on the first training
         batch and keeps the largest whose measured peak fits `vram_limit_gib` (see
         compile_accel.auto_budget).
-    vram_limit_gib: the memory "auto" must fit, in GiB of peak allocated memory; None: what
-        the GPU has free (plus what this process already holds) minus a margin.
+    vram_limit_gib: the memory "auto" must fit, in GiB of peak allocated memory, at most
+        MAX_VRAM_LIMIT_GIB (1 PiB); None: what the GPU has free (plus what this process already
+        holds) minus a margin.
     dynamic: None lets dynamo decide (one static graph, a dynamic one on the first new shape;
         with compile_workers, static graphs only); True compiles with symbolic shapes from the
         start, so the token counts of aspect-ratio buckets share one graph (parameter shapes
@@ -109,9 +114,10 @@ class CompileConfig:
                     "that discards what the partitioner would save"
                 )
         limit = self.vram_limit_gib
-        if limit is not None and not (_is_number(limit) and math.isfinite(limit) and limit > 0):
+        if limit is not None and not (_is_number(limit) and 0 < limit <= MAX_VRAM_LIMIT_GIB):
             raise ValueError(
-                f"CompileConfig.vram_limit_gib must be a positive number of GiB (finite) or None, got {limit!r}"
+                f"CompileConfig.vram_limit_gib must be a positive number of GiB, at most {MAX_VRAM_LIMIT_GIB} "
+                f"(1 PiB), or None, got {limit!r}"
             )
         if limit is not None and budget != "auto":
             raise ValueError("CompileConfig.vram_limit_gib applies to activation_memory_budget='auto' only")
