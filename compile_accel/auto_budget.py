@@ -57,6 +57,7 @@ import functools
 import json
 import logging
 import math
+import reprlib
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, fields
@@ -147,10 +148,12 @@ def _read_cache() -> dict[str, Any]:
         cache = json.loads(path.read_text())
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError) as error:
-        cache = error
+    except Exception as error:  # whatever a damaged file makes reading raise (RecursionError: nesting too deep)
+        why = f"{type(error).__name__}: {str(error)[:80]}"
+        warn(f"the auto budget cache {path} could not be read ({why}); it will be rewritten")
+        return {}
     if not isinstance(cache, dict):
-        warn(f"the auto budget cache {path} is not a JSON object ({str(cache)[:80]}); it will be rewritten")
+        warn(f"the auto budget cache {path} is not a JSON object ({reprlib.repr(cache)}); it will be rewritten")
         return {}
     return cache
 
@@ -212,13 +215,29 @@ def _valid_entry(entry: Any, ladder: OffloadLadder | None) -> bool:
     )
 
 
+def _cached_entry(key: str, ladder: OffloadLadder | None) -> dict[str, Any] | None:
+    """The cache's entry for `key`, or None; a malformed one (`_valid_entry`) warns and is
+    calibrated again."""
+    entry = _read_cache().get(key)
+    if entry is None:
+        return None
+    try:
+        valid = _valid_entry(entry, ladder)
+    except Exception:  # a value no check expects, e.g. an int too large for a float: malformed too
+        valid = False
+    if not valid:
+        warn(f"ignoring a malformed entry of the auto budget cache {cache_path()}: {reprlib.repr(entry)}")
+        return None
+    return entry
+
+
 def _write_cache(key: str, entry: dict[str, Any]) -> None:
     path = cache_path()
     cache = _read_cache()
     cache[key] = entry
     try:
         write_atomically(path, json.dumps(cache, indent=1).encode())
-    except OSError as error:
+    except (OSError, RecursionError) as error:  # (RecursionError: another entry, as read, nested too deep to write)
         warn(f"could not write the auto budget cache {path}: {error}")
 
 
@@ -524,10 +543,8 @@ class AutoBudget:
             None if ladder is None else (ladder.name, ladder.levels),
             "predicted",  # the search (entries of the exhaustive one that timed every budget lack "predicted")
         )
-        cached = _read_cache().get(key)
-        if cached is not None and not _valid_entry(cached, ladder):
-            warn(f"ignoring a malformed entry of the auto budget cache {cache_path()}: {str(cached)[:80]}")
-        elif cached is not None:
+        cached = _cached_entry(key, ladder)
+        if cached is not None:
             return self._settle(cached, ladder, limit, cached=True)
 
         def run() -> None:

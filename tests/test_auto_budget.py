@@ -698,6 +698,7 @@ def test_interrupted_calibration_warns_counts_and_runs_again() -> None:
         {"offload": 3},
         {"limit_gib": float("nan")},
         {"predicted": [{"budget": 0.5, "offload": 0, "peak_bytes": "1"}]},
+        {"limit_gib": 10**400},  # an int math.isfinite cannot take (OverflowError)
     ],
     ids=[
         "budget-str",
@@ -709,6 +710,7 @@ def test_interrupted_calibration_warns_counts_and_runs_again() -> None:
         "offload-off-ladder",
         "limit-nan",
         "predicted-str",
+        "limit-huge-int",
     ],
 )
 def test_a_malformed_cache_entry_warns_and_calibrates_again(damage: dict) -> None:
@@ -745,9 +747,14 @@ def test_auto_raises_the_conductors_offload_fraction_and_training_matches_eager(
     conductor.remove()
 
 
-def test_a_cache_file_that_is_not_a_json_object_warns_and_is_rewritten() -> None:
-    cache_path().write_text("[]")
+@pytest.mark.parametrize(
+    "text, warning",
+    [("[]", "not a JSON object"), ('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}", "could not be read")],
+    ids=["a-list", "nested-too-deep"],  # nested too deep: json raised RecursionError at the first forward
+)
+def test_a_cache_file_that_is_not_a_json_object_warns_and_is_rewritten(text: str, warning: str) -> None:
+    cache_path().write_text(text)
     training = FakeTraining(limit_gib=8.0)
-    with pytest.warns(RuntimeWarning, match="not a JSON object"):
+    with pytest.warns(RuntimeWarning, match=warning):
         training.step()
     assert training.measured and isinstance(json.loads(cache_path().read_text()), dict)
