@@ -24,7 +24,8 @@ Each CompiledFunction (compile_accel.regions) has a `Precompiled`:
 
 `save_precompiled` traces after the first step and returns a PrecompileSave, whose thread writes
 one file for all of a run's functions once the workers are done (with the loaded graphs that
-ran); `load_precompiled` reads it. compile_accel.compile_cache keeps that file beside the run's
+ran; a function of which the file on disk holds more graphs keeps those); `load_precompiled`
+reads it. compile_accel.compile_cache keeps that file beside the run's
 cache artifacts, under the same key. A call that cannot be precompiled (a graph break, symbolic
 shapes, an input whose guard torch cannot save) is left out with a log line, and compiles as
 usual at the next start.
@@ -295,7 +296,8 @@ def _left_out(name: str, kind: str, error: Exception, what: str = "left out") ->
 class PrecompileSave:
     """Graphs being precompiled for the next start: traced here, compiled in the compile workers,
     written to `path` by a thread of its own once all are back (with the graphs loaded from
-    it). `written`: the graphs in the file (None until the thread is done; 0: nothing written)."""
+    it). `written`: the graphs in the file (None until the thread is done; 0: none, or the write
+    failed)."""
 
     def __init__(self, captured: dict[Precompiled, list[tuple]], path: Path) -> None:
         self.graphs = sum(map(len, captured.values()))
@@ -321,7 +323,20 @@ class PrecompileSave:
                     _left_out(precompiled.name, kind, error)
             if entries:
                 saved[precompiled.name] = entries
+        # The file may hold more graphs of a function than this run has: another run on this cache
+        # directory wrote it since this one started, or this run's precompiles were cut short (a
+        # training that ends right after save(): the exit closes the workers, failing each pending
+        # one). Those functions keep the file's graphs: a file is never replaced by fewer.
+        held = _graphs_held(path)
+        kept = [name for name, entries in held.items() if len(entries) > len(saved.get(name, ()))]
+        saved.update((name, held[name]) for name in kept)
         count = sum(map(len, saved.values()))
+        if kept:
+            logger.info("precompile: %s holds more graphs of %s than this run precompiled; kept", path, ", ".join(kept))
+        if saved == held:
+            logger.info("precompile: %s left as it is (%d graphs): this run adds none", path, count)
+            self.written = count
+            return
         try:
             write_atomically(path, pickle.dumps({"format": _FORMAT, "made_by": _made_by(), "functions": saved}))
         except OSError as error:
@@ -335,6 +350,23 @@ class PrecompileSave:
             time.perf_counter() - self._start,
             path,
         )
+
+
+def _read(path: Path) -> tuple[tuple, dict[str, list[tuple]]]:
+    """Who made the file at `path` (format, torch and compile_accel) and its entries per function
+    name. Raises whatever reading a missing or damaged file raises."""
+    saved = pickle.loads(path.read_bytes())
+    return (saved["format"], saved["made_by"]), {name: list(entries) for name, entries in saved["functions"].items()}
+
+
+def _graphs_held(path: Path) -> dict[str, list[tuple]]:
+    """The entries per function name that the file at `path` holds and a start here would load:
+    none without a file, from a damaged one, or from one another torch or compile_accel made."""
+    try:
+        header, saved = _read(path)
+    except Exception:  # no file, or a damaged one: nothing to keep
+        return {}
+    return saved if header == (_FORMAT, _made_by()) else {}
 
 
 def save_precompiled(
@@ -357,15 +389,13 @@ def load_precompiled(functions: Sequence[Precompiled], path: Path) -> int:
         return 0
     start = time.perf_counter()
     try:
-        saved = pickle.loads(path.read_bytes())
-        header = (saved["format"], saved["made_by"])
-        entries = {precompiled: list(saved["functions"].get(precompiled.name, [])) for precompiled in functions}
+        header, saved = _read(path)
     except Exception as error:  # a damaged file: whatever unpickling raises
         warn(f"precompile: could not load {path} ({type(error).__name__}: {str(error)[:120]}); compiling as usual")
         return 0
     if header != (_FORMAT, _made_by()):
         logger.info("precompile: %s was made by another torch or compile_accel; compiling as usual", path)
         return 0
-    count = sum(precompiled.load(entries[precompiled]) for precompiled in functions)
+    count = sum(precompiled.load(saved.get(precompiled.name, [])) for precompiled in functions)
     logger.info("precompile: loaded %d graphs from %s in %.1f s", count, path, time.perf_counter() - start)
     return count

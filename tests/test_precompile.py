@@ -4,6 +4,7 @@ whatever they do not fit or a damaged file."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import pickle
 import shutil
 from pathlib import Path
@@ -142,6 +143,32 @@ def test_an_entry_torch_cannot_load_is_left_out_and_written_anew(first_start, ca
     _assert_as_eager(model, params, inputs_for(model))
     cache.save()
     assert cache.precompiling.join(timeout=600) == first_start[1]
+    assert _start(cache_dir)[3].precompiled_loaded == first_start[1]
+
+
+def test_precompiles_cut_short_at_exit_leave_the_file_another_run_wrote(
+    first_start, cache_dir, monkeypatch, caplog
+) -> None:
+    """A training that ends right after save(): the exit closes the worker pool, which fails each
+    pending precompile. The file another run wrote on this cache directory meanwhile (after this
+    run found none) keeps its graphs instead of being replaced by one without."""
+    (path,) = (cache_dir / "compiled").glob("*.precompiled")
+    good = path.read_bytes()
+    path.unlink()
+    model, params, acceleration, cache = _start(cache_dir)
+    lora_step(model, params, inputs_for(model))
+    path.write_bytes(good)  # the other run's file
+
+    def closed_at_exit(*job: object) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_exception(RuntimeError("SubprocPool closed"))  # what the pool's shutdown gives a pending job
+        return future
+
+    monkeypatch.setattr(compile_workers, "_submit", closed_at_exit)
+    with caplog.at_level("INFO", logger="compile_accel"):
+        cache.save()
+        assert cache.precompiling.join(timeout=600) == first_start[1]
+    assert path.read_bytes() == good and "than this run precompiled; kept" in caplog.text
     assert _start(cache_dir)[3].precompiled_loaded == first_start[1]
 
 
