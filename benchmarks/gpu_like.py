@@ -130,7 +130,9 @@ def copy_gbs(size_bytes: int = 2**30) -> float:
 def cuda_graph_replay(stream: torch.cuda.Stream, n: int = 8192, matmuls: int = 4) -> dict[str, Any]:
     """Whether a CUDA graph replayed on the restricted `stream` stays restricted. The graph is
     recorded on a stream of the whole GPU, as inductor's CUDA graph trees record theirs; its
-    replay is timed against the same matmuls launched on `stream` and on the whole GPU."""
+    replay is timed against the same matmuls launched on `stream` and on the whole GPU. A second
+    graph recorded on `stream` itself is timed too (`replay_of_restricted_recording_s`): whether
+    recording there would keep CUDA graphs restricted."""
     a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     out = torch.empty_like(a)
 
@@ -138,22 +140,27 @@ def cuda_graph_replay(stream: torch.cuda.Stream, n: int = 8192, matmuls: int = 4
         for _ in range(matmuls):
             torch.mm(a, b, out=out)
 
-    graph = torch.cuda.CUDAGraph()
-    recording = torch.cuda.Stream()  # a plain stream: the primary context, all SMs
-    recording.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(recording):
-        work()  # cuBLAS's workspace and plans before the recording
-        with torch.cuda.graph(graph, stream=recording):
-            work()
-    torch.cuda.synchronize()
+    def recorded_on(recording: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        recording.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(recording):
+            work()  # cuBLAS's workspace and plans before the recording
+            with torch.cuda.graph(graph, stream=recording):
+                work()
+        torch.cuda.synchronize()
+        return graph
+
+    plain, restricted = recorded_on(torch.cuda.Stream()), recorded_on(stream)  # (a plain stream: all SMs)
     with torch.cuda.stream(stream):
         restricted_s = _event_seconds(work)
-        replay_s = _event_seconds(graph.replay)
+        replay_s = _event_seconds(plain.replay)
+        replay_of_restricted_recording_s = _event_seconds(restricted.replay)
     with torch.cuda.stream(torch.cuda.default_stream()):
         whole_s = _event_seconds(work)
     return {
         "restricted": abs(replay_s - restricted_s) < abs(replay_s - whole_s),
         "replay_s": replay_s,
+        "replay_of_restricted_recording_s": replay_of_restricted_recording_s,
         "launched_restricted_s": restricted_s,
         "launched_whole_gpu_s": whole_s,
     }
