@@ -206,8 +206,7 @@ class Model(nn.Module):
         return x
 
 
-def test_perblock_compiles_each_block_and_keeps_swapped_blocks_linear_layers_eager(monkeypatch) -> None:
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # the global knob it raises; put back after
+def test_perblock_compiles_each_block_and_keeps_swapped_blocks_linear_layers_eager() -> None:
     torch.manual_seed(0)
     model = Model()
     x = torch.randn(4, 16)
@@ -215,12 +214,14 @@ def test_perblock_compiles_each_block_and_keeps_swapped_blocks_linear_layers_eag
     eager_out.square().mean().backward()
     eager_grad, model.scale.grad = model.scale.grad, None
 
-    runner.compile_each_block(list(model.blocks), swapped=[model.blocks[0]])
-    out = model(x)
-    out.square().mean().backward()
+    # The global knob it raises is put back after (monkeypatch would delete it: torch then hides it).
+    with torch._dynamo.config.patch(recompile_limit=8):
+        runner.compile_each_block(list(model.blocks), swapped=[model.blocks[0]])
+        out = model(x)
+        out.square().mean().backward()
+        assert torch._dynamo.config.recompile_limit == runner.PER_BLOCK_RECOMPILE_LIMIT
 
     assert relative_error(out, eager_out) < 1e-5 and relative_error(model.scale.grad, eager_grad) < 1e-5  # fp32
     assert all(block._compiled_call_impl is not None for block in model.blocks)
     disabled = [getattr(layer.forward, "_torchdynamo_disable", False) for layer in (model.blocks[0].up, model.blocks[1].up)]
     assert disabled == [True, False]
-    assert torch._dynamo.config.recompile_limit == runner.PER_BLOCK_RECOMPILE_LIMIT
