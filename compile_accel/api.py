@@ -18,6 +18,7 @@ from .saved_bytes import SavedBytesEstimate
 from .blocks import BlockList, resolve_block_lists
 from . import compile_workers
 from .backend import start_compile_workers
+from .base_compute import BaseLinears, base_compute_refusal
 from .compile_profile import CompileClock, CompileTimes
 from .config import CUDA_GRAPH_MODES, CompileConfig
 from .offload import offload_fraction_ladder
@@ -56,6 +57,7 @@ class Acceleration:
         eager_patches: list[_EagerPatch],
         switches: list[checkpointing.CheckpointSwitch],
         stats: Stats,
+        base_linears: BaseLinears | None = None,
     ) -> None:
         self.model = model
         self.config = config
@@ -64,6 +66,7 @@ class Acceleration:
         self._eager_patches = eager_patches
         self._switches = switches
         self._stats = stats
+        self.base_linears = base_linears
         self._removed = False
         self._on_remove: list[Callable[[], None]] = []
         self.auto_budget: AutoBudget | None = None
@@ -82,11 +85,14 @@ class Acceleration:
         "compile_times", where this process's compile time since apply() went (phase seconds and
         cache hits, compile_accel.compile_profile); with activation_memory_budget="auto", the
         calibration under "auto_budget" (None until it is done: the first training step, or with
-        compile workers the first after the candidate's graphs are back)."""
+        compile workers the first after the candidate's graphs are back); with base_compute, under
+        "base_compute" how many of the regions' frozen Linears run in 8 bits and why the others
+        stay (compile_accel.base_compute.BaseLinears.summary; None without base_compute)."""
         counted = self._stats if self.auto_budget is None else self.auto_budget.counted()
         stats = {"mode": self.config.mode, **counted.as_dict(), "compile_times": self.compile_times().as_dict()}
         if self.auto_budget is not None:
             stats["auto_budget"] = self.auto_budget.result
+        stats["base_compute"] = self.base_linears.summary() if self.base_linears is not None else None
         return stats
 
     @property
@@ -226,6 +232,11 @@ def apply_adapter(
             "(on a CPU the limit applies to the bytes saved for backward)"
         )
     block_lists = resolve_block_lists(model, adapter.block_paths(model) if adapter else blocks)
+    refusal = base_compute_refusal(
+        config.base_compute, {p.device for block_list in block_lists for p in block_list.blocks.parameters()}
+    )
+    if refusal:
+        raise ValueError(f"CompileConfig.base_compute: {refusal}")
 
     # Everything above only looked; from here on the model changes, the adapter's rewrite first:
     # the regions are found in the rewritten model.
@@ -251,11 +262,18 @@ def _compile_blocks(
     stats = Stats()
     shared: dict[Callable, CompiledFunction] = {}
     regions = []
-    for spec in region_specs(config.mode, block_lists, config.exclude):
+    specs = region_specs(config.mode, block_lists, config.exclude)
+    base_linears = BaseLinears.find(config.base_compute, specs, config.exclude) if config.base_compute else None
+    if base_linears is not None and not base_linears.layers:
+        warn(
+            f"base_compute={config.base_compute!r} found no frozen nn.Linear in the compiled regions: "
+            "every matmul runs in the model's dtypes"
+        )
+    for spec in specs:
         method = getattr(spec.module, spec.method)
         fn = getattr(method, "__func__", method)
         if fn not in shared:
-            shared[fn] = CompiledFunction(fn, config, stats)
+            shared[fn] = CompiledFunction(fn, config, stats, base_linears)
         regions.append(Region(spec, shared[fn], config))
     if config.mode != "off" and not regions:
         warn(
@@ -277,7 +295,7 @@ def _compile_blocks(
     # Everything above only looked; from here on the regions change the model. Anything that
     # raises on the way (a worker pool that cannot start: file descriptors exhausted) is raised
     # with every change undone, so that the model is as it was and apply() may be called again.
-    acceleration = Acceleration(model, config, block_lists, regions, eager_patches, switches, stats)
+    acceleration = Acceleration(model, config, block_lists, regions, eager_patches, switches, stats, base_linears)
     try:
         _install(acceleration, shared, offload_ladder, uncheckpointed)
     except BaseException:
@@ -304,6 +322,8 @@ def _install(
             f"{', ...' if len(uncheckpointed) > 3 else ''}): those now keep all their activations. Compile them "
             "too, or checkpoint them yourself"
         )
+    if acceleration.base_linears is not None:
+        acceleration.on_remove(acceleration.base_linears.remove)  # frees the quantized copies
     stats.regions = len(regions)
     stats.checkpointing_switched_off = [s.name for s in switches]
     for patch in acceleration._eager_patches:

@@ -36,6 +36,7 @@ import torch.utils._pytree as pytree
 
 from . import compile_workers
 from .attention import rewrite_attention
+from .base_compute import BaseLinears, rewrite_base_linears
 from .config import CUDA_GRAPH_MODES, WITHOUT_CUDA_GRAPHS, CompileConfig
 from .dynamo_settings import HAS_EAGER_BACKWARD_KNOB
 from .saved_bytes import SavedBytesEstimate
@@ -193,8 +194,9 @@ class RegionBackend:
 
     Per graph it: refuses complex-dtype graphs (inductor has no code generation for complex
     ops), notes a checkpoint still inside a budgeted block, rewrites its attention calls
-    (compile_accel.attention), compiles with the budget and an eager backward compile patched
-    in, and once that succeeded counts the graph and whether it is a recompile.
+    (compile_accel.attention) and, with base_compute, its base matmuls
+    (compile_accel.base_compute), compiles with the budget and an eager backward compile
+    patched in, and once that succeeded counts the graph and whether it is a recompile.
 
     auto's traced step (`estimate`) with compile workers packs each graph for a worker as dynamo
     traced it and runs it uncompiled while the worker partitions it at every candidate
@@ -205,8 +207,14 @@ class RegionBackend:
     """
 
     def __init__(
-        self, config: CompileConfig, budget: float | None, stats: Stats, estimate: SavedBytesEstimate | None = None
+        self,
+        config: CompileConfig,
+        budget: float | None,
+        stats: Stats,
+        estimate: SavedBytesEstimate | None = None,
+        base_linears: BaseLinears | None = None,
     ) -> None:
+        self.base_linears = base_linears
         # With an estimate: traced for auto's calibration, without inductor (compile_accel.saved_bytes).
         self.estimating = estimate is not None
         self._estimate = estimate
@@ -316,11 +324,17 @@ class RegionBackend:
         with self._settings():
             return compile_workers.run_here(traced, job)
 
+    def _rewrite(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> None:
+        """The rewrites of every graph before it compiles: attention calls, then base matmuls."""
+        rewrite_attention(gm)  # reads traced values of nodes the next rewrite replaces
+        if self.base_linears is not None:
+            rewrite_base_linears(gm, example_inputs, self.base_linears)
+
     def for_precompile(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         """This backend as torch's aot_compile calls it (compile_accel.precompile): the same
-        attention rewrite, the graph compiled in a worker under this backend's settings and
+        rewrites, the graph compiled in a worker under this backend's settings and
         aot_compile's."""
-        rewrite_attention(gm)
+        self._rewrite(gm, example_inputs)
         with self._settings():
             return compile_workers.precompile_in_workers(gm, example_inputs, self.inner)
 
@@ -336,7 +350,7 @@ class RegionBackend:
             self.saw_checkpoint = True
         signature = _signature(gm)
         label = f"graph {torch._guards.CompileContext.current_compile_id()}"
-        rewrite_attention(gm)
+        self._rewrite(gm, example_inputs)
         inner, cuda_graphs = self._inner_now()
         compile_here = functools.partial(self._compile_here, inner=inner)
         if self.in_workers:

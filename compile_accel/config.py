@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 MODES = ("off", "selective", "blocks")
+BASE_COMPUTES = (None, "int8", "fp8")
 INDUCTOR_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # inductor's modes that turn its CUDA graphs on
 WITHOUT_CUDA_GRAPHS = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
@@ -69,6 +70,11 @@ class CompileConfig:
         block class and shape compile at the same time (compile_accel.compile_workers). A graph
         with symbolic shapes (dynamic=True) compiles in this process. More than the CPU cores
         start one per core, with a warning.
+    base_compute: None computes everything in the model's dtypes. "int8" runs the matmuls of the
+        frozen nn.Linear layers inside the compiled regions (a LoRA's base Linear included) as
+        int8 x int8 products with per-token and per-channel scales, forward and input gradient;
+        the LoRA path stays in its dtype (compile_accel.base_compute). On CPUs and CUDA GPUs of
+        compute capability 8.0 or newer. "fp8" is refused at apply() for now.
     """
 
     mode: str = "selective"
@@ -82,6 +88,7 @@ class CompileConfig:
     vram_limit_gib: float | None = None
     fast_compile: bool = True
     compile_workers: int = 0
+    base_compute: str | None = None
 
     @property
     def compile_dynamic(self) -> bool | None:
@@ -151,6 +158,12 @@ class CompileConfig:
             raise ValueError(
                 f"CompileConfig.compile_workers compiles with inductor in workers; backend={self.backend!r} "
                 "is not inductor"
+            )
+        if self.base_compute not in BASE_COMPUTES:
+            raise ValueError(f"CompileConfig.base_compute must be one of {BASE_COMPUTES}, got {self.base_compute!r}")
+        if self.base_compute is not None and self.mode == "off":
+            raise ValueError(
+                f"CompileConfig.base_compute={self.base_compute!r} applies inside compiled regions; mode='off' compiles none"
             )
         if not isinstance(self.exclude, (list, tuple)) or not all(isinstance(p, str) for p in self.exclude):
             raise ValueError(f"CompileConfig.exclude must be a list of glob patterns, got {self.exclude!r}")

@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from .backend import RegionBackend
+from .base_compute import BaseLinears
 from .checkpointing import under_saved_tensor_checkpoint
 from .saved_bytes import SavedBytesEstimate
 from .config import CUDA_GRAPH_MODES, CompileConfig
@@ -47,9 +48,12 @@ def _split_method(forward: Callable) -> tuple[Callable, Any]:
 class CompiledFunction:
     """One torch.compile of one forward function, shared by every region that runs it."""
 
-    def __init__(self, fn: Callable, config: CompileConfig, stats: Stats) -> None:
+    def __init__(
+        self, fn: Callable, config: CompileConfig, stats: Stats, base_linears: BaseLinears | None = None
+    ) -> None:
         self.fn = fn
         self.config = config
+        self.base_linears = base_linears  # CompileConfig.base_compute's layers, rewritten in every graph
         self.recompile_limit = config.recompile_limit
         self.regions: list[str] = []
         self.region_kinds: dict[str, type] = {}  # region name -> its module's class
@@ -83,7 +87,7 @@ class CompiledFunction:
             self._by_budget[key] = self._by_budget.pop(traced)
             self.precompiled.relabel(TRACED, budget)
         if key not in self._by_budget:
-            backend = RegionBackend(self.config, budget, stats, estimate)
+            backend = RegionBackend(self.config, budget, stats, estimate, self.base_linears)
             kwargs: dict[str, Any] = {
                 "backend": backend,
                 "fullgraph": self.config.fullgraph,
@@ -195,7 +199,7 @@ class CompiledFunction:
 
     def precompile_for(self, budget: float | None) -> Callable:
         """torch.compile of the function as `aot_compile` needs it, at `budget`."""
-        backend = RegionBackend(self.config, budget, Stats())
+        backend = RegionBackend(self.config, budget, Stats(), base_linears=self.base_linears)
         dynamic = self.config.compile_dynamic
         return torch.compile(
             self.fn,

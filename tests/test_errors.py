@@ -49,6 +49,11 @@ BAD_CONFIGS = [
     (dict(mode="blocks", activation_memory_budget="auto", vram_limit_gib=0), "vram_limit_gib must be a"),
     # Finite, but its bytes overflowed auto's int at the first step.
     (dict(mode="blocks", activation_memory_budget="auto", vram_limit_gib=1e300), "vram_limit_gib .* at most 1048576"),
+    (dict(mode="blocks", base_compute="int4"), "base_compute must be one of"),
+    (dict(mode="blocks", base_compute=8), "base_compute must be one of"),
+    (dict(mode="off", base_compute="int8"), "base_compute='int8' applies inside compiled regions"),
+    # The tests' model is on the CPU, where fp8 matmuls do not run.
+    (dict(mode="selective", base_compute="fp8"), "base_compute='fp8' needs a CUDA GPU"),
 ]
 
 

@@ -1,0 +1,287 @@
+"""CompileConfig.base_compute="int8": the matmuls of frozen base weights inside compiled regions in int8.
+
+A LoRA step needs two products of a frozen Linear's weight W (out x in): the forward Y = X·Wᵀ and
+the input gradient dX = dY·W; the weight's own gradient is never computed. Both run as
+`torch._int_mm` (int8 x int8, int32 accumulate) with symmetric scales that factor out of the sum:
+
+- forward: X per row (token), quantized at each call; W per output channel (its rows);
+- backward: dY per row at each call; W per input channel (the rows of Wᵀ): a second copy.
+
+A weight's two copies are made at their first use and again only when the weight changes (in
+place: its version counter moves; swapped: its data pointer moves), kept per weight object and
+dropped by `remove()`. They take one byte per weight element each, beside the weight.
+
+Where: RegionBackend rewrites each `linear` call in dynamo's graph of a region whose weight is a
+frozen nn.Linear of that region (`rewrite_base_linears`): a plain Linear, the base a kohya-style
+LoRA calls through its saved `org_forward`, peft's `base_layer`, all of which reach F.linear with
+that weight. The call becomes `compile_accel::int8_linear`, a custom op with its backward
+registered, before AOTAutograd, so every compile path (in this process, compile workers,
+precompile, auto's traced step) gets the same graph, and the LoRA path, trainable, stays in its
+dtype. A call whose layer cannot run in int8 stays as it was, and the reason is recorded
+(`BaseLinears.summary`, in `stats()["base_compute"]`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .int8 import quantize_int8
+from .selective import RegionSpec, is_excluded
+
+INT8 = "int8"
+NOT_TRACED = "not in a compiled graph yet (no compiled call has reached it)"
+# torch._int_mm on CUDA: more than 16 rows, and both the inner and the outer size multiples of 8.
+CUDA_INT_MM_MIN_ROWS = 17
+CUDA_INT_MM_MULTIPLE = 8
+
+
+def base_compute_refusal(compute: str | None, devices: set[torch.device]) -> str | None:
+    """Why `compute` cannot run on the base weights' `devices`, or None (apply refuses with it)."""
+    if compute is None:
+        return None
+    for device in devices:
+        if device.type == "cuda":
+            capability = torch.cuda.get_device_capability(device)
+            if compute == "int8" and capability < (8, 0):
+                return f"base_compute='int8' needs a CUDA GPU of compute capability 8.0 or newer, {device} is {capability}"
+            if compute == "fp8" and capability < (8, 9):
+                return f"base_compute='fp8' needs a CUDA GPU of compute capability 8.9 or newer, {device} is {capability}"
+        elif device.type != "cpu":
+            return f"base_compute={compute!r} runs on CPUs and CUDA GPUs, not on {device}"
+        elif compute == "fp8":
+            return "base_compute='fp8' needs a CUDA GPU of compute capability 8.9 or newer; on the CPU use 'int8'"
+    if compute == "fp8":
+        return "base_compute='fp8' is not implemented yet; use 'int8'"
+    return None
+
+
+@dataclass
+class _Copies:
+    """A weight's quantized copies, and the data pointer and version they were made at."""
+
+    data_ptr: int
+    version: int
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None  # per output channel, for the forward
+    columns: tuple[torch.Tensor, torch.Tensor] | None = None  # per input channel (of Wᵀ), for the backward
+
+
+_copies: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> _Copies
+quantized_weights = [0]  # copies made in this process (the tests read it)
+
+
+def _current_copies(weight: torch.Tensor) -> _Copies:
+    copies = _copies.get(weight)
+    if copies is None or copies.data_ptr != weight.data_ptr() or copies.version != weight._version:
+        copies = _copies[weight] = _Copies(weight.data_ptr(), weight._version)
+    return copies
+
+
+def _rows_copy(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    copies = _current_copies(weight)
+    if copies.rows is None:
+        copies.rows = quantize_int8(weight)
+        quantized_weights[0] += 1
+    return copies.rows
+
+
+def _columns_copy(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    copies = _current_copies(weight)
+    if copies.columns is None:
+        copies.columns = quantize_int8(weight.t().contiguous())
+        quantized_weights[0] += 1
+    return copies.columns
+
+
+def drop_copies(weights: list[torch.Tensor]) -> None:
+    """Free the quantized copies of `weights`."""
+    for weight in weights:
+        _copies.pop(weight, None)
+
+
+def _int8_matmul(values: torch.Tensor, matrix: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """values (m x k, floating) times matrixᵀ (matrix: int8 n x k and its fp32 row scales), in fp32:
+    values quantized per row, int32 products, both scales applied after."""
+    rows, row_scale = quantize_int8(values)
+    q, q_scale = matrix
+    m = rows.shape[0]
+    if rows.is_cuda and m < CUDA_INT_MM_MIN_ROWS:  # zero rows, dropped below
+        rows = torch.nn.functional.pad(rows, (0, 0, 0, CUDA_INT_MM_MIN_ROWS - m))
+    products = torch._int_mm(rows, q.t())[:m]
+    return products.float() * row_scale[:, None] * q_scale[None, :]
+
+
+@torch.library.custom_op("compile_accel::int8_linear", mutates_args=())
+def int8_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """F.linear(x, weight, bias) in int8, in `out_dtype` (what the call gave under autocast)."""
+    out = _int8_matmul(x.reshape(-1, x.shape[-1]), _rows_copy(weight))
+    if bias is not None:
+        out += bias.float()
+    return out.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+@int8_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype)
+
+
+@torch.library.custom_op("compile_accel::int8_linear_input_grad", mutates_args=())
+def int8_linear_input_grad(grad: torch.Tensor, weight: torch.Tensor, in_dtype: torch.dtype) -> torch.Tensor:
+    """grad · weight in int8: int8_linear's input gradient, in its input's dtype."""
+    out = _int8_matmul(grad.reshape(-1, grad.shape[-1]), _columns_copy(weight))
+    return out.to(in_dtype).reshape(*grad.shape[:-1], weight.shape[1])
+
+
+@int8_linear_input_grad.register_fake
+def _(grad: torch.Tensor, weight: torch.Tensor, in_dtype: torch.dtype) -> torch.Tensor:
+    return grad.new_empty((*grad.shape[:-1], weight.shape[1]), dtype=in_dtype)
+
+
+def _save_weight(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    x, weight, _, _ = inputs
+    ctx.save_for_backward(weight)
+    ctx.in_dtype = x.dtype
+
+
+def _input_grad(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+    # Only the input's: the weight and bias are frozen (rewrite_base_linears rewrites no other call).
+    (weight,) = ctx.saved_tensors
+    return int8_linear_input_grad(grad, weight, ctx.in_dtype) if ctx.needs_input_grad[0] else None, None, None, None
+
+
+int8_linear.register_autograd(_input_grad, setup_context=_save_weight)
+
+
+@dataclass
+class BaseLinears:
+    """The frozen nn.Linear layers of the compiled regions, and for each whether its matmuls run in
+    8 bits or why not. A graph is traced for one region and run by every region of its class with
+    the same shapes, dtypes and requires_grad, so an outcome is kept per layer key (`_layer_key`):
+    the region's class, the layer's path in it, and what of the layer decides the outcome."""
+
+    compute: str
+    layers: dict[str, tuple[type, str, nn.Linear]] = field(default_factory=dict)  # name -> (class, path, layer)
+    roles: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)  # weight -> (class, path)
+    outcomes: dict[tuple, str] = field(default_factory=dict)  # layer key -> INT8 or why not
+
+    @classmethod
+    def find(cls, compute: str, specs: list[RegionSpec], exclude: list[str]) -> BaseLinears:
+        """The frozen Linears inside the regions `specs`, less the excluded submodules (eager)."""
+        found = cls(compute)
+        for spec in specs:
+            for path, module in spec.module.named_modules():
+                name = f"{spec.name}.{path}" if path else spec.name
+                if isinstance(module, nn.Linear) and not module.weight.requires_grad and not is_excluded(name, exclude):
+                    found.layers[name] = (type(spec.module), path, module)
+                    found.roles[module.weight] = (type(spec.module), path)
+        return found
+
+    @property
+    def devices(self) -> set[torch.device]:
+        return {layer.weight.device for _, _, layer in self.layers.values()}
+
+    def record(self, weight: torch.Tensor, bias: torch.Tensor | None, outcome: str) -> None:
+        key = _layer_key(*self.roles[weight], weight, bias)
+        if self.outcomes.get(key, INT8) == INT8:  # a reason it stayed, in any graph, is kept
+            self.outcomes[key] = outcome
+
+    def summary(self) -> dict[str, Any]:
+        """`compute`, `base_linears` (how many), `in_8_bits` (how many run in 8 bits in every compiled
+        graph that reached them) and `stayed` (layer name -> why it runs in its own dtype)."""
+        stayed = {}
+        for name, (kind, path, layer) in self.layers.items():
+            outcome = self.outcomes.get(_layer_key(kind, path, layer.weight, layer.bias), NOT_TRACED)
+            if outcome != INT8:
+                stayed[name] = outcome
+        return {
+            "compute": self.compute,
+            "base_linears": len(self.layers),
+            "in_8_bits": len(self.layers) - len(stayed),
+            "stayed": stayed,
+        }
+
+    def remove(self) -> None:
+        drop_copies([layer.weight for _, _, layer in self.layers.values()])
+
+
+def _layer_key(kind: type, path: str, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    """What an outcome is kept under: the layer's role and what `_why_not_int8` reads of it."""
+    bias_trains = bias is not None and bias.requires_grad
+    return kind, path, tuple(weight.shape), weight.dtype, weight.device, bias_trains
+
+
+def _why_not_int8(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
+    if bias is not None and bias.requires_grad:
+        return "its bias is trainable"
+    if not (x.is_floating_point() and weight.is_floating_point()):
+        return f"input {x.dtype}, weight {weight.dtype}: int8 quantizes floating-point values"
+    if weight.device.type == "cuda" and any(size % CUDA_INT_MM_MULTIPLE for size in weight.shape):
+        return (
+            f"weight {tuple(weight.shape)}: torch._int_mm on CUDA needs both sizes multiples of {CUDA_INT_MM_MULTIPLE}"
+        )
+    return None
+
+
+def _linear_arguments(node: torch.fx.Node) -> tuple[Any, Any, Any]:
+    """(input, weight, bias) of an F.linear call, given by position or keyword."""
+    args = (*node.args, *(node.kwargs[k] for k in ("input", "weight", "bias")[len(node.args) :] if k in node.kwargs))
+    return args[0], args[1], args[2] if len(args) > 2 else None
+
+
+def rewrite_base_linears(gm: torch.fx.GraphModule, example_inputs: list[Any], base_linears: BaseLinears) -> int:
+    """Turn each F.linear call of dynamo's graph `gm` (and of the graphs nested in it, a checkpoint's
+    body) whose weight is one of `base_linears` into int8_linear, or record why it stays; returns
+    how many were turned. `example_inputs` are the real tensors dynamo calls `gm` with."""
+    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    return _rewrite(gm, dict(zip(placeholders, example_inputs)), base_linears)
+
+
+def _value(arg: Any, values: dict[torch.fx.Node, Any]) -> Any:
+    """A call's argument as a tensor: the real one of a known placeholder, else the traced (fake) value."""
+    if not isinstance(arg, torch.fx.Node):
+        return arg
+    return values[arg] if arg in values else arg.meta.get("example_value")
+
+
+def _rewrite(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], base_linears: BaseLinears) -> int:
+    """rewrite_base_linears on one graph; `values`: the real tensor of each placeholder known."""
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is torch._C._nn.linear:
+            x, weight, bias = (_value(arg, values) for arg in _linear_arguments(node))
+            if not isinstance(weight, nn.Parameter) or weight not in base_linears.roles or weight.requires_grad:
+                continue
+            why = _why_not_int8(x, weight, bias)
+            base_linears.record(weight, bias, why or INT8)
+            if why is None:
+                x_node, weight_node, bias_node = _linear_arguments(node)
+                with gm.graph.inserting_before(node):
+                    replacement = gm.graph.call_function(
+                        torch.ops.compile_accel.int8_linear.default,
+                        (x_node, weight_node, bias_node, node.meta["example_value"].dtype),
+                    )
+                replacement.meta = dict(node.meta)
+                node.replace_all_uses_with(replacement)
+                gm.graph.erase_node(node)
+                rewritten += 1
+        else:  # a higher-order op (a checkpoint): its body's placeholders are its operands
+            for index, arg in enumerate(node.args):
+                if isinstance(arg, torch.fx.Node) and arg.op == "get_attr":
+                    body = getattr(gm, arg.target, None)
+                    if isinstance(body, torch.fx.GraphModule):
+                        operands = node.args[index + 1 :]
+                        inner = [n for n in body.graph.nodes if n.op == "placeholder"]
+                        known = {p: values[o] for p, o in zip(inner, operands) if o in values}
+                        rewritten += _rewrite(body, known, base_linears)
+    if rewritten:
+        gm.recompile()
+    return rewritten
