@@ -72,7 +72,7 @@ class _Copies:
 
 
 _copies: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> _Copies
-quantized_weights = [0]  # copies made in this process (the tests read it)
+copies_made = [0]  # quantized copies made in this process (the tests count them)
 
 
 def _current_copies(weight: torch.Tensor) -> _Copies:
@@ -86,7 +86,7 @@ def _rows_copy(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     copies = _current_copies(weight)
     if copies.rows is None:
         copies.rows = quantize_int8(weight)
-        quantized_weights[0] += 1
+        copies_made[0] += 1
     return copies.rows
 
 
@@ -94,7 +94,7 @@ def _columns_copy(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     copies = _current_copies(weight)
     if copies.columns is None:
         copies.columns = quantize_int8(weight.t().contiguous())
-        quantized_weights[0] += 1
+        copies_made[0] += 1
     return copies.columns
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from conftest import ONE_BLOCK_CLASS, build, lora_step, relative_error
+from torch.utils.checkpoint import checkpoint
 
 import compile_accel
 from compile_accel import CompileConfig, base_compute
@@ -40,25 +41,25 @@ def test_int8_linear_matches_linear_and_follows_the_weights_changes() -> None:
         out.backward(grad)
         return out, expected, x.grad, expected_input_grad
 
-    made = base_compute.quantized_weights[0]
+    made = base_compute.copies_made[0]
     for _ in range(2):  # the second call makes no copy
         out, expected, input_grad, expected_input_grad = both()
         assert 0 < relative_error(out, expected) <= MAX_ERROR
         assert 0 < relative_error(input_grad, expected_input_grad) <= MAX_ERROR
-        assert base_compute.quantized_weights[0] == made + 2  # one per output channel, one per input channel
+        assert base_compute.copies_made[0] == made + 2  # one per output channel, one per input channel
 
     with torch.no_grad():
         linear.weight.mul_(-2)  # in place: the version counter moves
     out, expected, input_grad, expected_input_grad = both()
     assert relative_error(out, expected) <= MAX_ERROR
     assert relative_error(input_grad, expected_input_grad) <= MAX_ERROR
-    assert base_compute.quantized_weights[0] == made + 4
+    assert base_compute.copies_made[0] == made + 4
 
     linear.weight.data = torch.randn(40, 48)  # a new storage: the data pointer moves
     out, expected, input_grad, expected_input_grad = both()
     assert relative_error(out, expected) <= MAX_ERROR
     assert relative_error(input_grad, expected_input_grad) <= MAX_ERROR
-    assert base_compute.quantized_weights[0] == made + 6
+    assert base_compute.copies_made[0] == made + 6
 
 
 def _inputs(model: nn.Module, height: int, width: int, text: int) -> tuple[torch.Tensor, ...]:
@@ -83,7 +84,7 @@ def test_kohya_dit_blocks_in_int8_match_eager_across_shapes_and_remove_restores_
     expected_loss, expected_grads = lora_step(model, params, inputs)
     for handle in handles:
         handle.remove()
-    made = base_compute.quantized_weights[0]
+    made = base_compute.copies_made[0]
 
     acceleration = compile_accel.apply(model, CompileConfig(mode="blocks", dynamic=True, base_compute="int8"))
     # Each block on eager's input to it, so that its error is its own.
@@ -103,7 +104,7 @@ def test_kohya_dit_blocks_in_int8_match_eager_across_shapes_and_remove_restores_
     cosines = [_cosine(grad, expected) for grad, expected in zip(grads, expected_grads, strict=True)]
     assert min(cosines) >= MIN_COSINE, cosines
     # Two copies of each of the 12 base weights (4 blocks: modulation, linear1, linear2), made once.
-    assert base_compute.quantized_weights[0] == made + 24
+    assert base_compute.copies_made[0] == made + 24
 
     for shape in [(16, 8, 8), (8, 24, 6), (12, 20, 8)]:  # aspect-ratio buckets, caption lengths
         lora_step(model, params, _inputs(model, *shape))
@@ -125,10 +126,15 @@ class _MLPBlock(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(x)))
 
 
+class _CheckpointedMLPBlock(_MLPBlock):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(super().forward, x, use_reentrant=False)
+
+
 class _MLP(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, block: type[_MLPBlock]) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList([_MLPBlock(), _MLPBlock()])
+        self.blocks = nn.ModuleList([block(), block()])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -136,23 +142,29 @@ class _MLP(nn.Module):
         return x
 
 
-def _peft_mlp() -> tuple[nn.Module, list[nn.Parameter]]:
+def _peft_mlp(block: type[_MLPBlock]) -> tuple[nn.Module, list[nn.Parameter]]:
     from peft import LoraConfig, inject_adapter_in_model
 
-    model = _MLP().requires_grad_(False)
+    model = _MLP(block).requires_grad_(False)
     inject_adapter_in_model(LoraConfig(r=4, lora_alpha=4, target_modules=["fc1", "fc2"], init_lora_weights=False), model)
     return model, [p for p in model.parameters() if p.requires_grad]
 
 
-@pytest.mark.parametrize("mode", ["selective", "blocks"])
-def test_peft_base_layers_in_int8_and_a_trainable_bias_stays(mode: str) -> None:
+# selective: each peft Linear is a region; blocks: the whole block, and with the block's own
+# checkpoint the Linears sit in the checkpoint's body, a graph nested in the block's.
+PEFT_CASES = {"selective": _MLPBlock, "blocks": _MLPBlock, "blocks-checkpointed": _CheckpointedMLPBlock}
+
+
+@pytest.mark.parametrize("case", PEFT_CASES)
+def test_peft_base_layers_in_int8_and_a_trainable_bias_stays(case: str) -> None:
     torch.manual_seed(torch.seed())
-    model, params = _peft_mlp()
+    model, params = _peft_mlp(PEFT_CASES[case])
     model.blocks[1].fc2.base_layer.bias.requires_grad_(True)  # weight frozen, bias trained: stays
     x = torch.randn(2, 24, 32)
     expected_loss, expected_grads = lora_step(model, params, (x,))
 
-    acceleration = compile_accel.apply(model, CompileConfig(mode=mode, base_compute="int8"), blocks=["blocks"])
+    config = CompileConfig(mode=case.split("-")[0], base_compute="int8")
+    acceleration = compile_accel.apply(model, config, blocks=["blocks"])
     loss, grads = lora_step(model, params, (x,))
     assert relative_error(loss, expected_loss) <= MAX_ERROR
     cosines = [_cosine(grad, expected) for grad, expected in zip(grads, expected_grads, strict=True)]
