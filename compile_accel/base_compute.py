@@ -41,21 +41,25 @@ CUDA_INT_MM_MIN_ROWS = 17
 CUDA_INT_MM_MULTIPLE = 8
 
 
+# The oldest GPUs with the tensor-core matmuls: int8 from Ampere (sm80), fp8 from Ada (sm89).
+MIN_CUDA_CAPABILITY = {"int8": (8, 0), "fp8": (8, 9)}
+
+
 def base_compute_refusal(compute: str | None, devices: set[torch.device]) -> str | None:
     """Why `compute` cannot run on the base weights' `devices`, or None (apply refuses with it)."""
     if compute is None:
         return None
+    minimum = MIN_CUDA_CAPABILITY[compute]
+    needs = f"base_compute={compute!r} needs a CUDA GPU of compute capability {minimum[0]}.{minimum[1]} or newer"
     for device in devices:
         if device.type == "cuda":
             capability = torch.cuda.get_device_capability(device)
-            if compute == "int8" and capability < (8, 0):
-                return f"base_compute='int8' needs a CUDA GPU of compute capability 8.0 or newer, {device} is {capability}"
-            if compute == "fp8" and capability < (8, 9):
-                return f"base_compute='fp8' needs a CUDA GPU of compute capability 8.9 or newer, {device} is {capability}"
+            if capability < minimum:
+                return f"{needs}; {device} is {capability[0]}.{capability[1]}"
         elif device.type != "cpu":
             return f"base_compute={compute!r} runs on CPUs and CUDA GPUs, not on {device}"
         elif compute == "fp8":
-            return "base_compute='fp8' needs a CUDA GPU of compute capability 8.9 or newer; on the CPU use 'int8'"
+            return f"{needs}; on the CPU use 'int8'"
     if compute == "fp8":
         return "base_compute='fp8' is not implemented yet; use 'int8'"
     return None
@@ -63,45 +67,28 @@ def base_compute_refusal(compute: str | None, devices: set[torch.device]) -> str
 
 @dataclass
 class _Copies:
-    """A weight's quantized copies, and the data pointer and version they were made at."""
+    """A weight's quantized copies (int8 values, fp32 scale per row), and the data pointer and
+    version they were made at. Keyed by `transposed`: False, W per output channel (the forward's);
+    True, Wᵀ per row, W per input channel (the backward's)."""
 
     data_ptr: int
     version: int
-    rows: tuple[torch.Tensor, torch.Tensor] | None = None  # per output channel, for the forward
-    columns: tuple[torch.Tensor, torch.Tensor] | None = None  # per input channel (of Wᵀ), for the backward
+    by_orientation: dict[bool, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 _copies: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> _Copies
 copies_made = [0]  # quantized copies made in this process (the tests count them)
 
 
-def _current_copies(weight: torch.Tensor) -> _Copies:
+def _quantized(weight: torch.Tensor, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` (or its transpose) quantized per row: made once, again after the weight changed."""
     copies = _copies.get(weight)
     if copies is None or copies.data_ptr != weight.data_ptr() or copies.version != weight._version:
         copies = _copies[weight] = _Copies(weight.data_ptr(), weight._version)
-    return copies
-
-
-def _rows_copy(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    copies = _current_copies(weight)
-    if copies.rows is None:
-        copies.rows = quantize_int8(weight)
+    if transposed not in copies.by_orientation:
+        copies.by_orientation[transposed] = quantize_int8(weight.t().contiguous() if transposed else weight)
         copies_made[0] += 1
-    return copies.rows
-
-
-def _columns_copy(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    copies = _current_copies(weight)
-    if copies.columns is None:
-        copies.columns = quantize_int8(weight.t().contiguous())
-        copies_made[0] += 1
-    return copies.columns
-
-
-def drop_copies(weights: list[torch.Tensor]) -> None:
-    """Free the quantized copies of `weights`."""
-    for weight in weights:
-        _copies.pop(weight, None)
+    return copies.by_orientation[transposed]
 
 
 def _int8_matmul(values: torch.Tensor, matrix: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -121,7 +108,7 @@ def int8_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """F.linear(x, weight, bias) in int8, in `out_dtype` (what the call gave under autocast)."""
-    out = _int8_matmul(x.reshape(-1, x.shape[-1]), _rows_copy(weight))
+    out = _int8_matmul(x.reshape(-1, x.shape[-1]), _quantized(weight, transposed=False))
     if bias is not None:
         out += bias.float()
     return out.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
@@ -135,7 +122,7 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtyp
 @torch.library.custom_op("compile_accel::int8_linear_input_grad", mutates_args=())
 def int8_linear_input_grad(grad: torch.Tensor, weight: torch.Tensor, in_dtype: torch.dtype) -> torch.Tensor:
     """grad · weight in int8: int8_linear's input gradient, in its input's dtype."""
-    out = _int8_matmul(grad.reshape(-1, grad.shape[-1]), _columns_copy(weight))
+    out = _int8_matmul(grad.reshape(-1, grad.shape[-1]), _quantized(weight, transposed=True))
     return out.to(in_dtype).reshape(*grad.shape[:-1], weight.shape[1])
 
 
@@ -183,10 +170,6 @@ class BaseLinears:
                     found.roles[module.weight] = (type(spec.module), path)
         return found
 
-    @property
-    def devices(self) -> set[torch.device]:
-        return {layer.weight.device for _, _, layer in self.layers.values()}
-
     def record(self, weight: torch.Tensor, bias: torch.Tensor | None, outcome: str) -> None:
         key = _layer_key(*self.roles[weight], weight, bias)
         if self.outcomes.get(key, INT8) == INT8:  # a reason it stayed, in any graph, is kept
@@ -208,7 +191,9 @@ class BaseLinears:
         }
 
     def remove(self) -> None:
-        drop_copies([layer.weight for _, _, layer in self.layers.values()])
+        """Free the layers' quantized copies."""
+        for _, _, layer in self.layers.values():
+            _copies.pop(layer.weight, None)
 
 
 def _layer_key(kind: type, path: str, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
@@ -235,12 +220,32 @@ def _linear_arguments(node: torch.fx.Node) -> tuple[Any, Any, Any]:
     return args[0], args[1], args[2] if len(args) > 2 else None
 
 
-def rewrite_base_linears(gm: torch.fx.GraphModule, example_inputs: list[Any], base_linears: BaseLinears) -> int:
+def rewrite_base_linears(gm: torch.fx.GraphModule, example_inputs: list[Any], base_linears: BaseLinears) -> None:
     """Turn each F.linear call of dynamo's graph `gm` (and of the graphs nested in it, a checkpoint's
-    body) whose weight is one of `base_linears` into int8_linear, or record why it stays; returns
-    how many were turned. `example_inputs` are the real tensors dynamo calls `gm` with."""
+    body) whose weight is one of `base_linears` into int8_linear, or record why it stays.
+    `example_inputs` are the real tensors dynamo calls `gm` with."""
     placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
-    return _rewrite(gm, dict(zip(placeholders, example_inputs)), base_linears)
+    _rewrite(gm, dict(zip(placeholders, example_inputs)), base_linears)
+
+
+def _rewrite(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], base_linears: BaseLinears) -> None:
+    """rewrite_base_linears on one graph; `values`: the real tensor of each placeholder known."""
+    rewritten = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is torch._C._nn.linear:
+            rewritten |= _rewrite_linear(gm, node, values, base_linears)
+            continue
+        # A higher-order op (a checkpoint) calls a nested graph on the operands after it.
+        for index, arg in enumerate(node.args):
+            body = getattr(gm, arg.target, None) if isinstance(arg, torch.fx.Node) and arg.op == "get_attr" else None
+            if isinstance(body, torch.fx.GraphModule):
+                inner = [n for n in body.graph.nodes if n.op == "placeholder"]
+                known = {p: values[o] for p, o in zip(inner, node.args[index + 1 :]) if o in values}
+                _rewrite(body, known, base_linears)
+    if rewritten:
+        gm.recompile()
 
 
 def _value(arg: Any, values: dict[torch.fx.Node, Any]) -> Any:
@@ -250,38 +255,30 @@ def _value(arg: Any, values: dict[torch.fx.Node, Any]) -> Any:
     return values[arg] if arg in values else arg.meta.get("example_value")
 
 
-def _rewrite(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], base_linears: BaseLinears) -> int:
-    """rewrite_base_linears on one graph; `values`: the real tensor of each placeholder known."""
-    rewritten = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function":
-            continue
-        if node.target is torch._C._nn.linear:
-            x, weight, bias = (_value(arg, values) for arg in _linear_arguments(node))
-            if not isinstance(weight, nn.Parameter) or weight not in base_linears.roles or weight.requires_grad:
-                continue
-            why = _why_not_int8(x, weight, bias)
-            base_linears.record(weight, bias, why or INT8)
-            if why is None:
-                x_node, weight_node, bias_node = _linear_arguments(node)
-                with gm.graph.inserting_before(node):
-                    replacement = gm.graph.call_function(
-                        torch.ops.compile_accel.int8_linear.default,
-                        (x_node, weight_node, bias_node, node.meta["example_value"].dtype),
-                    )
-                replacement.meta = dict(node.meta)
-                node.replace_all_uses_with(replacement)
-                gm.graph.erase_node(node)
-                rewritten += 1
-        else:  # a higher-order op (a checkpoint): its body's placeholders are its operands
-            for index, arg in enumerate(node.args):
-                if isinstance(arg, torch.fx.Node) and arg.op == "get_attr":
-                    body = getattr(gm, arg.target, None)
-                    if isinstance(body, torch.fx.GraphModule):
-                        operands = node.args[index + 1 :]
-                        inner = [n for n in body.graph.nodes if n.op == "placeholder"]
-                        known = {p: values[o] for p, o in zip(inner, operands) if o in values}
-                        rewritten += _rewrite(body, known, base_linears)
-    if rewritten:
-        gm.recompile()
-    return rewritten
+def _rewrite_linear(
+    gm: torch.fx.GraphModule, node: torch.fx.Node, values: dict[torch.fx.Node, Any], base_linears: BaseLinears
+) -> bool:
+    """Replace one F.linear call by int8_linear if its weight is a base weight that can run in int8;
+    whether it did. A base weight that cannot is recorded with the reason."""
+    x, weight, bias = (_value(arg, values) for arg in _linear_arguments(node))
+    if (
+        not isinstance(weight, nn.Parameter)
+        or weight not in base_linears.roles
+        or weight.requires_grad
+        or not isinstance(x, torch.Tensor)  # (an input without a traced value: left as it is)
+    ):
+        return False
+    why = _why_not_int8(x, weight, bias)
+    base_linears.record(weight, bias, why or INT8)
+    if why is not None:
+        return False
+    x_node, weight_node, bias_node = _linear_arguments(node)
+    with gm.graph.inserting_before(node):
+        replacement = gm.graph.call_function(
+            torch.ops.compile_accel.int8_linear.default,
+            (x_node, weight_node, bias_node, node.meta["example_value"].dtype),
+        )
+    replacement.meta = dict(node.meta)
+    node.replace_all_uses_with(replacement)
+    gm.graph.erase_node(node)
+    return True

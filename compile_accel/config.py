@@ -163,7 +163,8 @@ class CompileConfig:
             raise ValueError(f"CompileConfig.base_compute must be one of {BASE_COMPUTES}, got {self.base_compute!r}")
         if self.base_compute is not None and self.mode == "off":
             raise ValueError(
-                f"CompileConfig.base_compute={self.base_compute!r} applies inside compiled regions; mode='off' compiles none"
+                f"CompileConfig.base_compute={self.base_compute!r} applies inside compiled regions; "
+                "mode='off' compiles none"
             )
         if not isinstance(self.exclude, (list, tuple)) or not all(isinstance(p, str) for p in self.exclude):
             raise ValueError(f"CompileConfig.exclude must be a list of glob patterns, got {self.exclude!r}")

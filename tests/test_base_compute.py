@@ -62,6 +62,22 @@ def test_int8_linear_matches_linear_and_follows_the_weights_changes() -> None:
     assert base_compute.copies_made[0] == made + 6
 
 
+@pytest.mark.parametrize(
+    "compute, capability, refusal",
+    [
+        ("int8", (7, 5), "base_compute='int8' needs a CUDA GPU of compute capability 8.0 or newer; cuda:0 is 7.5"),
+        ("int8", (8, 0), None),
+        ("fp8", (8, 6), "base_compute='fp8' needs a CUDA GPU of compute capability 8.9 or newer; cuda:0 is 8.6"),
+        ("fp8", (9, 0), "base_compute='fp8' is not implemented yet; use 'int8'"),
+    ],
+)
+def test_gpus_without_the_matmuls_are_refused(
+    compute: str, capability: tuple[int, int], refusal: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
+    assert base_compute.base_compute_refusal(compute, {torch.device("cuda", 0)}) == refusal
+
+
 def _inputs(model: nn.Module, height: int, width: int, text: int) -> tuple[torch.Tensor, ...]:
     latents, t, txt, mask = make_inputs(model.config, res=height, text_len=text)
     return torch.randn(*latents.shape[:2], height, width), t, txt, mask
@@ -146,7 +162,8 @@ def _peft_mlp(block: type[_MLPBlock]) -> tuple[nn.Module, list[nn.Parameter]]:
     from peft import LoraConfig, inject_adapter_in_model
 
     model = _MLP(block).requires_grad_(False)
-    inject_adapter_in_model(LoraConfig(r=4, lora_alpha=4, target_modules=["fc1", "fc2"], init_lora_weights=False), model)
+    config = LoraConfig(r=4, lora_alpha=4, target_modules=["fc1", "fc2"], init_lora_weights=False)
+    inject_adapter_in_model(config, model)
     return model, [p for p in model.parameters() if p.requires_grad]
 
 
