@@ -195,3 +195,31 @@ def test_peft_base_layers_in_int8_and_a_trainable_bias_stays(case: str) -> None:
         "stayed": {"blocks.1.fc2.base_layer": "its bias is trainable"},
     }
     acceleration.remove()
+
+
+@pytest.mark.parametrize("weights, autocast", [(torch.bfloat16, False), (torch.float32, True)], ids=["bf16", "autocast"])
+def test_bf16_weights_and_bf16_autocast_against_bf16_compute(weights: torch.dtype, autocast: bool) -> None:
+    """Against eager bf16 compute: the model in bf16, or in fp32 under bf16 autocast (the int8
+    op's output takes the dtype F.linear gave)."""
+    torch.manual_seed(torch.seed())
+    model, params = _peft_mlp(_MLPBlock)
+    model.to(weights)
+    x = torch.randn(2, 24, 32, dtype=weights)
+
+    def step() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            out = model(x)
+        out.float().square().mean().backward()
+        grads = [p.grad.float() for p in params]
+        for p in params:
+            p.grad = None
+        return out.detach(), grads
+
+    expected_out, expected_grads = step()
+    acceleration = compile_accel.apply(model, CompileConfig(mode="blocks", base_compute="int8"), blocks=["blocks"])
+    out, grads = step()
+    assert out.dtype == expected_out.dtype
+    assert relative_error(out.float(), expected_out.float()) <= MAX_ERROR
+    cosines = [_cosine(grad, expected) for grad, expected in zip(grads, expected_grads, strict=True)]
+    assert min(cosines) >= MIN_COSINE, cosines
+    assert acceleration.stats()["base_compute"]["in_8_bits"] == 4
