@@ -124,6 +124,13 @@ def test_kohya_dit_blocks_in_int8_match_eager_across_shapes_and_remove_restores_
 
     for shape in [(16, 8, 8), (8, 24, 6), (12, 20, 8)]:  # aspect-ratio buckets, caption lengths
         lora_step(model, params, _inputs(model, *shape))
+    made = base_compute.copies_made[0]
+    with torch.no_grad():
+        blocks[0].linear1.weight.mul_(0.5)  # in place between steps: its two copies are made again
+    changed_loss, _ = lora_step(model, params, inputs)
+    assert base_compute.copies_made[0] == made + 2 and changed_loss != loss
+    with torch.no_grad():
+        blocks[0].linear1.weight.mul_(2)  # back, exactly (powers of two)
     stats = acceleration.stats()
     assert (stats["graph_breaks"], stats["recompiles"], stats["fallbacks"]) == (0, 0, [])
     assert stats["base_compute"] == {"compute": "int8", "base_linears": 12, "in_8_bits": 12, "stayed": {}}
