@@ -236,7 +236,7 @@ def apply_adapter(
         config.base_compute, {p.device for block_list in block_lists for p in block_list.blocks.parameters()}
     )
     if refusal:
-        raise ValueError(f"CompileConfig.base_compute: {refusal}")
+        raise ValueError(f"CompileConfig.{refusal}")
 
     # Everything above only looked; from here on the model changes, the adapter's rewrite first:
     # the regions are found in the rewritten model.

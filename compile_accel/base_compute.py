@@ -46,7 +46,8 @@ MIN_CUDA_CAPABILITY = {"int8": (8, 0), "fp8": (8, 9)}
 
 
 def base_compute_refusal(compute: str | None, devices: set[torch.device]) -> str | None:
-    """Why `compute` cannot run on the base weights' `devices`, or None (apply refuses with it)."""
+    """Why `compute` cannot run on the base weights' `devices` ("base_compute=... needs ..."), or
+    None; apply() refuses with it before changing anything."""
     if compute is None:
         return None
     minimum = MIN_CUDA_CAPABILITY[compute]
