@@ -8,6 +8,8 @@ Eager is the reference of the same block compiled without base_compute, which ma
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn as nn
@@ -204,7 +206,9 @@ def test_peft_base_layers_in_int8_and_a_trainable_bias_stays(case: str) -> None:
     acceleration.remove()
 
 
-@pytest.mark.parametrize("weights, autocast", [(torch.bfloat16, False), (torch.float32, True)], ids=["bf16", "autocast"])
+@pytest.mark.parametrize(
+    "weights, autocast", [(torch.bfloat16, False), (torch.float32, True)], ids=["bf16", "autocast"]
+)
 def test_bf16_weights_and_bf16_autocast_against_bf16_compute(weights: torch.dtype, autocast: bool) -> None:
     """Against eager bf16 compute: the model in bf16, or in fp32 under bf16 autocast (the int8
     op's output takes the dtype F.linear gave)."""
@@ -230,3 +234,35 @@ def test_bf16_weights_and_bf16_autocast_against_bf16_compute(weights: torch.dtyp
     cosines = [_cosine(grad, expected) for grad, expected in zip(grads, expected_grads, strict=True)]
     assert min(cosines) >= MIN_COSINE, cosines
     assert acceleration.stats()["base_compute"]["in_8_bits"] == 4
+
+
+def test_a_compile_worker_compiles_the_int8_graph(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rewritten graph, handed to a compile worker (which has the op: it imports compile_accel),
+    runs uncompiled in int8 until it is back, then compiled."""
+    from torch._inductor.utils import clear_caches
+
+    from compile_accel import compile_workers
+
+    # A cache of its own: the graph, compiled by the tests above, would load here from the shared one.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    clear_caches()
+    torch.manual_seed(torch.seed())
+    model, params = _peft_mlp(_MLPBlock)
+    x = torch.randn(2, 24, 32)
+    expected_loss, expected_grads = lora_step(model, params, (x,))
+    config = CompileConfig(mode="blocks", base_compute="int8", compile_workers=1)
+    acceleration = compile_accel.apply(model, config, blocks=["blocks"])
+    try:
+        steps = [lora_step(model, params, (x,))]  # uncompiled while the worker compiles
+        compile_workers.first_step_done()
+        assert compile_workers.wait_and_load() == 1
+        steps.append(lora_step(model, params, (x,)))
+    finally:
+        compile_workers.stop()
+        clear_caches()
+    for loss, grads in steps:
+        assert 0 < relative_error(loss, expected_loss) <= MAX_ERROR
+        assert min(_cosine(grad, expected) for grad, expected in zip(grads, expected_grads, strict=True)) >= MIN_COSINE
+    stats = acceleration.stats()
+    assert (stats["worker_graphs_compiled"], stats["worker_failures"], stats["fallbacks"]) == (1, [], [])
+    assert stats["base_compute"]["in_8_bits"] == 4
