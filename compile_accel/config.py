@@ -166,6 +166,13 @@ class CompileConfig:
                 f"CompileConfig.base_compute={self.base_compute!r} applies inside compiled regions; "
                 "mode='off' compiles none"
             )
+        if self.base_compute is not None and self.compile_mode in CUDA_GRAPH_MODES:
+            # Its op quantizes in Python, whose cached weight copies a recording would freeze: not yet
+            # run on a GPU, so not offered.
+            raise ValueError(
+                f"CompileConfig.base_compute={self.base_compute!r} does not run under CUDA graphs yet "
+                f"(compile_mode={self.compile_mode!r}); use compile_mode=None or 'default'"
+            )
         if not isinstance(self.exclude, (list, tuple)) or not all(isinstance(p, str) for p in self.exclude):
             raise ValueError(f"CompileConfig.exclude must be a list of glob patterns, got {self.exclude!r}")
 
