@@ -14,7 +14,8 @@ CUDA_GRAPHS = "+cudagraphs"  # compile_mode="reduce-overhead": each compiled gra
 MODES_HELP = (
     "eager, eager+ckpt, whole+ckpt, perblock+ckpt, selective+ckpt, blocks+ckpt, blocks+budget=B, blocks+auto; each "
     "optionally followed by +offload=F[+act][+int8], +ddp=N or +split=N; blocks+budget=B, blocks+auto or "
-    "selective+ckpt alone optionally followed by +cudagraphs"
+    "selective+ckpt alone optionally followed by +cudagraphs; a selective or blocks mode optionally ending in "
+    "+compute=int8 or +compute=fp8"
 )
 
 # With no --modes: the library's main job (docs/bench.md), eager+ckpt first as the baseline of the "vs" column.
@@ -60,7 +61,8 @@ def _parse_count(spec: str, value: str) -> int:
 
 def parse_mode(spec: str) -> ModeSpec:
     """'blocks+budget=0.5' -> blocks mode, budget 0.5, no checkpointing; ValueError if unknown."""
-    rest, counts = spec, {}
+    rest, with_compute, compute = spec.partition("+compute=")
+    counts: dict[str, int] = {}
     for key in ("ddp", "split"):
         rest, found, value = rest.partition(f"+{key}=")
         if found:
@@ -83,6 +85,17 @@ def parse_mode(spec: str) -> ModeSpec:
     if len(counts) > 1 or (counts and mode.offload is not None):
         raise ValueError(f"mode {spec!r}: +ddp, +split and +offload are separate ways to use GPUs; give one")
     mode.ddp, mode.split = counts.get("ddp", 1), counts.get("split", 1)
+    if with_compute:
+        if mode.config.mode == "off":
+            raise ValueError(
+                f"mode {spec!r}: +compute= runs base matmuls in 8 bits inside compiled regions; this mode compiles "
+                "none with compile_accel"
+            )
+        mode.config.base_compute = compute
+        try:
+            mode.config.validate()
+        except ValueError as error:
+            raise ValueError(f"mode {spec!r}: {error}") from None
     return mode
 
 

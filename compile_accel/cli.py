@@ -188,6 +188,7 @@ def bench(args: argparse.Namespace) -> int:
     from .benchmarks import gpu_like, runner
     from .benchmarks.modes import DEFAULT_MODES, parse_mode
     from .benchmarks.report import markdown_table, measured
+    from .base_compute import base_compute_refusal
     from .compile_workers import WAIT_WITH_AUTO
     from .config import CUDA_GRAPH_MODES
 
@@ -213,6 +214,10 @@ def bench(args: argparse.Namespace) -> int:
         refusal = gpu_like.refusal(flag, device, specs, args.vram_cap_gib)
     if refusal:
         return _refuse(refusal)
+    for spec in specs:
+        refusal = base_compute_refusal(spec.config.base_compute, {torch.device(device)})
+        if refusal:
+            return _refuse(f"{spec.name}: {refusal}")
     recording = [s.name for s in specs if s.config.compile_mode in CUDA_GRAPH_MODES]
     if recording and device == "cpu":
         return _refuse(f"{recording[0]} records CUDA graphs, and this run is on the CPU")

@@ -399,3 +399,22 @@ def test_with_auto_the_bench_steps_until_its_choice_is_made_before_warm_up() -> 
 
     _await_compile_workers(step, [], 0.0, auto)
     assert auto.waiting_for is None and next(waits, "all used") == "all used"
+
+
+def test_a_compute_suffix_sets_base_compute_on_compiled_modes_only(capsys, no_mode_runs) -> None:
+    assert parse_mode("blocks+budget=0.5+compute=int8").config.base_compute == "int8"
+    offloaded = parse_mode("selective+ckpt+offload=0.5+compute=int8")
+    assert (offloaded.config.base_compute, offloaded.offload.fraction) == ("int8", 0.5)
+    assert parse_mode("blocks+budget=0.5").config.base_compute is None
+    for spec, message in [
+        ("eager+ckpt+compute=int8", "this mode compiles none with compile_accel"),
+        ("perblock+ckpt+compute=int8", "this mode compiles none with compile_accel"),
+        ("blocks+budget=0.5+compute=int4", "base_compute must be one of"),
+        ("blocks+budget=0.5+cudagraphs+compute=int8", "does not run under CUDA graphs yet"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            parse_mode(spec)
+    # A computation the device cannot run is refused before any mode starts.
+    status, err = run_bench(capsys, "--device", "cpu", "--modes", "eager+ckpt,blocks+budget=0.5+compute=fp8")
+    assert status == 2
+    assert "blocks+budget=0.5+compute=fp8: base_compute='fp8' needs a CUDA GPU of compute capability 8.9" in err
