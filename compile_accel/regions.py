@@ -5,7 +5,11 @@ A region replaces `module.forward`, or the body method the module's checkpoint r
 state-dict keys, parameters and hooks stay as they are. All regions whose method is the same
 function (every instance of a block class, every kohya-LoRA-patched Linear) share one
 `torch.compile` of that function, called with the instance as `self`: one graph per class
-and input shape, not one compile per instance.
+and input shape, not one compile per instance. A function called with more than one call
+signature (sd-scripts' NextDiT: its refiners pass the block 3 arguments, its layers 4) has a
+compile per signature, over a copy of the function with a code object of its own: dynamo keeps
+a code object's graphs together, so a shared one made every graph of the second signature a
+recompile of the first's (logged as one, counted against the recompile limit).
 
 The region decides, per call, eager or compiled: eager when its parameters are not on the
 device of its inputs (an offload conductor has it in host memory), or when the shared function
@@ -20,6 +24,7 @@ import functools
 import inspect
 import logging
 import time
+import types
 from typing import Any, Callable, NoReturn
 
 import torch
@@ -36,6 +41,9 @@ from .selective import RegionSpec
 from .stats import RECOMPILE_LIMIT_WATCHER, Stats, graph_break_total, warn
 
 logger = logging.getLogger("compile_accel")
+
+# A call's signature as dynamo guards it: the number of positional arguments and the keywords.
+CallSignature = tuple[int, tuple[str, ...]]
 
 
 def _split_method(forward: Callable) -> tuple[Callable, Any]:
@@ -65,7 +73,12 @@ class CompiledFunction:
         self.compiled_contexts: set[tuple[type, bool]] = set()
         self._warned_checkpoint = False
         self.precompiled = Precompiled(fn)
-        self._by_budget: dict[tuple[float | None, SavedBytesEstimate | None], tuple[RegionBackend, Callable]] = {}
+        # The function each call signature compiles: `fn` for the first, a copy for each other.
+        self._functions: dict[CallSignature, Callable] = {}
+        # Per budget: its backend and its torch.compile of each signature's function.
+        self._by_budget: dict[
+            tuple[float | None, SavedBytesEstimate | None], tuple[RegionBackend, dict[CallSignature, Callable]]
+        ] = {}
         budget = config.activation_memory_budget
         self.use_budget(None if budget == "auto" else budget, stats)
         code = getattr(fn, "__code__", None)
@@ -87,17 +100,25 @@ class CompiledFunction:
             self._by_budget[key] = self._by_budget.pop(traced)
             self.precompiled.relabel(TRACED, budget)
         if key not in self._by_budget:
-            backend = RegionBackend(self.config, budget, stats, estimate, self.base_linears)
-            kwargs: dict[str, Any] = {
-                "backend": backend,
+            self._by_budget[key] = (RegionBackend(self.config, budget, stats, estimate, self.base_linears), {})
+        self.backend, self._compiled = self._by_budget[key]
+        self.backend.stats = self.stats = stats
+
+    def _compiled_for(self, args: tuple, kwargs: dict) -> Callable:
+        """The torch.compile, at the budget in use, of the function for this call's signature."""
+        signature = (len(args), tuple(kwargs))
+        if signature not in self._compiled:
+            if signature not in self._functions:
+                self._functions[signature] = _with_own_code(self.fn) if self._functions else self.fn
+            options: dict[str, Any] = {
+                "backend": self.backend,
                 "fullgraph": self.config.fullgraph,
                 "dynamic": self.config.compile_dynamic,
             }
             if COMPILE_TAKES_RECOMPILE_LIMIT:
-                kwargs["recompile_limit"] = self.recompile_limit
-            self._by_budget[key] = (backend, torch.compile(self.fn, **kwargs))
-        self.backend, self.compiled = self._by_budget[key]
-        self.backend.stats = self.stats = stats
+                options["recompile_limit"] = self.recompile_limit
+            self._compiled[signature] = torch.compile(self._functions[signature], **options)
+        return self._compiled[signature]
 
     @property
     def name(self) -> str:
@@ -147,11 +168,9 @@ class CompiledFunction:
         break_reasons = dict(torch._dynamo.utils.counters["graph_break"]) if new_context else None
         if new_context:  # the first compile of a block class takes seconds to minutes: say so
             logger.info("compiling %s (%s) ...", context[0].__name__, "training" if context[1] else "no grad")
+        compiled = self._compiled_for(args, kwargs)
         try:
-            if region.owner is None:
-                out = self.compiled(*args, **kwargs)
-            else:
-                out = self.compiled(region.owner, *args, **kwargs)
+            out = compiled(*args, **kwargs) if region.owner is None else compiled(region.owner, *args, **kwargs)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
             # fullgraph=True turns the limit into an error; the watcher has warned and counted.
             return region.eager(*args, **kwargs)
@@ -216,6 +235,17 @@ class CompiledFunction:
             f"every graph eager (last reason: {reason}). Raise CompileConfig.recompile_limit, or set "
             "dynamic=True if the inputs change shape (aspect-ratio buckets)"
         )
+
+
+def _with_own_code(fn: Callable) -> Callable:
+    """A copy of the Python function `fn` whose code object is its own (dynamo's graphs and
+    guards are kept per code object); anything else as it is."""
+    if not isinstance(fn, types.FunctionType):
+        return fn
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__, copy.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+    copy.__dict__.update(fn.__dict__)
+    return copy
 
 
 def _check_aliased_views(region: Region, aliased_views: list[tuple[torch.Tensor, int]]) -> None:

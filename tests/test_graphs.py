@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from conftest import ONE_BLOCK_CLASS, build, inputs_for, lora_step
 
 import compile_accel
 from compile_accel import CompileConfig
+from compile_accel.benchmarks.lora import KohyaStyleLoRANetwork
 
 # Selective with dynamo's default dynamic (the dynamic=True path is the same torch.compile
 # argument, checked on blocks below): the graphs of test_parity's selective cases, compiled once.
@@ -208,3 +211,87 @@ def test_each_compiled_graph_is_logged_with_its_seconds_and_the_count(caplog: py
     assert re.fullmatch(r"compiled _MLPBlock \(training\) in \d+\.\d s \(graphs compiled so far: 1\)", lines[1])
     new_shape = r"compiled _MLPBlock \(training, new input shapes\) in \d+\.\d s \(graphs compiled so far: 2\)"
     assert re.fullmatch(new_shape, lines[2])
+
+
+class _RefinedBlock(torch.nn.Module):
+    """sd-scripts' JointTransformerBlock in small: forward(*args) checkpoints _forward, whose
+    modulation input is optional (NextDiT's context refiner passes 3 arguments, its noise
+    refiner and layers 4)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention, self.modulation = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.gradient_checkpointing = False
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        if self.training and self.gradient_checkpointing:
+            return torch.utils.checkpoint.checkpoint(self._forward, *args, use_reentrant=False)
+        return self._forward(*args)
+
+    def _forward(
+        self, x: torch.Tensor, mask: torch.Tensor, freqs: torch.Tensor, adaln: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = x + self.attention(x * freqs).masked_fill(~mask[..., None], 0.0)
+        return x if adaln is None else x * (1 + self.modulation(adaln))[:, None]
+
+
+class _RefinedModel(torch.nn.Module):
+    """NextDiT's call pattern: the refiner blocks get (x, mask, freqs) at the caption's token
+    count, the layers the same block class with (x, mask, freqs, t) at the joint token count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.context_refiner = torch.nn.ModuleList([_RefinedBlock(), _RefinedBlock()])
+        self.layers = torch.nn.ModuleList([_RefinedBlock(), _RefinedBlock()])
+
+    def forward(self, captions: torch.Tensor, image: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        for block in self.context_refiner:
+            captions = block(captions, torch.ones(captions.shape[:2], dtype=torch.bool), torch.ones_like(captions))
+        x = torch.cat([captions, image], 1)
+        for block in self.layers:
+            x = block(x, torch.ones(x.shape[:2], dtype=torch.bool), torch.ones_like(x), t)
+        return x
+
+
+@pytest.fixture
+def dynamo_recompiles() -> Iterator[list[str]]:
+    """The functions dynamo logs as recompiled ("Recompiling function ...", TORCH_LOGS=recompiles)."""
+    recompiled: list[str] = []
+
+    class Recorder(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("Recompiling function"):
+                recompiled.append(record.getMessage().splitlines()[0])
+
+    logger = logging.getLogger("torch._dynamo.guards.__recompiles")
+    recorder = Recorder()
+    torch._logging.set_logs(recompiles=True)
+    logger.addHandler(recorder)
+    yield recompiled
+    logger.removeHandler(recorder)
+    torch._logging.set_logs()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_blocks_called_with_two_argument_counts_compile_one_graph_each_and_no_recompile(
+    mode: str, dynamo_recompiles: list[str]
+) -> None:
+    """One block function called with 3 arguments by some blocks and 4 by others (sd-scripts'
+    NextDiT) compiles a graph per call signature, each from its first call: dynamo logs no
+    recompile, as stats() counts none. A kohya-style LoRA is on the blocks; the model's
+    checkpointing on for selective, replaced by the budget in blocks mode."""
+    config, checkpointing = MODES[mode]
+    torch.manual_seed(0)
+    model = _RefinedModel()
+    model.requires_grad_(False)
+    network = KohyaStyleLoRANetwork(model, ["*.attention", "layers.*.modulation"], up_init_std=0.05)
+    model.train()
+    for block in (*model.context_refiner, *model.layers):
+        block.gradient_checkpointing = checkpointing is not None
+    acceleration = compile_accel.apply(model, dataclasses.replace(config, backend="aot_eager"))
+    for _ in range(2):
+        model(torch.randn(2, 3, 8), torch.randn(2, 5, 8), torch.randn(2, 8)).square().mean().backward()
+    assert all(p.grad is not None for p in network.parameters())
+    stats = acceleration.stats()
+    assert (stats["unique_graphs"], stats["recompiles"], stats["fallbacks"]) == (2, 0, [])
+    assert dynamo_recompiles == []
