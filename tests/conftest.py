@@ -4,9 +4,11 @@ DiT with LoRA, and a LoRA training step that returns the loss and every LoRA gra
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import tempfile
 import weakref
+from collections.abc import Iterator
 
 # Compiles of identical graphs across tests hit this cache (.ci/run points it at a per-run dir).
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "compile_accel_tests_inductor"))
@@ -40,6 +42,25 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def dynamo_recompiles() -> Iterator[list[str]]:
+    """The functions dynamo logs as recompiled ("Recompiling function ...", TORCH_LOGS=recompiles)."""
+    recompiled: list[str] = []
+
+    class Recorder(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("Recompiling function"):
+                recompiled.append(record.getMessage().splitlines()[0])
+
+    logger = logging.getLogger("torch._dynamo.guards.__recompiles")
+    recorder = Recorder()
+    torch._logging.set_logs(recompiles=True)
+    logger.addHandler(recorder)
+    yield recompiled
+    logger.removeHandler(recorder)
+    torch._logging.set_logs()
 
 
 @pytest.fixture(autouse=True)

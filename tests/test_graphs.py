@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -251,25 +250,6 @@ class _RefinedModel(torch.nn.Module):
         for block in self.layers:
             x = block(x, torch.ones(x.shape[:2], dtype=torch.bool), torch.ones_like(x), t)
         return x
-
-
-@pytest.fixture
-def dynamo_recompiles() -> Iterator[list[str]]:
-    """The functions dynamo logs as recompiled ("Recompiling function ...", TORCH_LOGS=recompiles)."""
-    recompiled: list[str] = []
-
-    class Recorder(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if record.getMessage().startswith("Recompiling function"):
-                recompiled.append(record.getMessage().splitlines()[0])
-
-    logger = logging.getLogger("torch._dynamo.guards.__recompiles")
-    recorder = Recorder()
-    torch._logging.set_logs(recompiles=True)
-    logger.addHandler(recorder)
-    yield recompiled
-    logger.removeHandler(recorder)
-    torch._logging.set_logs()
 
 
 @pytest.mark.parametrize("mode", list(MODES))

@@ -9,6 +9,7 @@ its ModelOffloader and its training scripts' parsers.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -801,6 +802,33 @@ def test_lumina_unpadded_batches_run_attention_without_masks(sd_scripts: Path, m
     acceleration.remove()
     assert "patchify_and_embed" not in vars(model) and not model.noise_refiner[0]._forward_pre_hooks
     assert model.layers[0].attention.attention_processor is torch.nn.functional.scaled_dot_product_attention
+
+
+@CONFIGS
+def test_lumina_through_compile_accel_apply_compiles_a_graph_per_call_signature_and_no_recompile(
+    sd_scripts: Path, config: CompileConfig, dynamo_recompiles: list[str]
+) -> None:
+    """A loop of one's own over NextDiT with a kohya-style LoRA (batch 1, as the trainer's
+    default): the context refiner calls the block with 3 arguments, the noise refiner and layers
+    with 4; one graph each from the first step, and dynamo logs no recompile (it had one, on
+    len(args), when both signatures shared a compile)."""
+    from compile_accel.benchmarks.lora import KohyaStyleLoRANetwork
+
+    torch.manual_seed(0)
+    model = _lumina()
+    model.requires_grad_(False)
+    network = KohyaStyleLoRANetwork(model, ["*.attention.qkv", "*.attention.out"], up_init_std=0.05)
+    model.train()
+    model.enable_gradient_checkpointing()
+    acceleration = compile_accel.apply(model, dataclasses.replace(config, backend="aot_eager"))
+    for _ in range(2):
+        x, t, captions, mask = (value[:1] for value in _lumina_inputs())
+        model(x, t, captions, mask).square().mean().backward()
+    assert all(p.grad is not None for p in network.parameters())
+    stats = acceleration.stats()
+    assert stats["unique_graphs"] == 2
+    _assert_compiled_cleanly(stats)
+    assert dynamo_recompiles == []
 
 
 @pytest.mark.parametrize("name, graphs", [("flux", 2), ("sd3", 2)])
