@@ -55,8 +55,8 @@ class CompileConfig:
         later replay had overwritten, sd-scripts' SDXL, torch 2.11).
     fullgraph: refuse graph breaks inside a region (they become compile errors, and the
         region falls back to eager with a warning).
-    recompile_limit: graphs dynamo may compile per region function before it gives up;
-        hitting it is warned about and counted.
+    recompile_limit: graphs dynamo may compile per region function and call signature before
+        it gives up; hitting it is warned about and counted.
     exclude: glob patterns of submodule names (as in `model.named_modules()`) that are never
         compiled; inside a compiled region they run eager behind a graph break.
     fast_compile: compile the regions without inductor's pattern-matcher passes, without
