@@ -260,6 +260,16 @@ def _as_completed(futures: list[concurrent.futures.Future]) -> Iterator[concurre
                 _check_alive()
 
 
+def _wait_all(futures: list[concurrent.futures.Future]) -> None:
+    """Until every one of `futures` is done, or failed with the pool's process (_as_completed);
+    then the pool's process is checked once more, so that jobs torch failed when it saw the
+    process go are warned about as its end."""
+    for _ in _as_completed(futures):
+        pass
+    with _lock:
+        _check_alive()
+
+
 def _log_not_ready(future: concurrent.futures.Future) -> None:
     # A graph's compile in that worker gets ready again first, and fails there with the error.
     if future.exception() is not None:
@@ -416,8 +426,7 @@ def wait() -> int:
     waiting = pending()
     with _lock:
         futures = [graph.future for graph in _unswitched if graph.future is not None] + _out
-    for _ in _as_completed(futures):
-        pass  # (until every one is done, or failed with the pool's process)
+    _wait_all(futures)
     return waiting
 
 
@@ -705,6 +714,7 @@ class WorkerPrecompiled:
 
     @classmethod
     def serialize_compile_artifacts(cls, fn: WorkerPrecompiled) -> bytes:
+        _wait_all([fn.future])  # (a pool whose process is gone fails it: the graph is left out)
         return fn.future.result()
 
     @classmethod

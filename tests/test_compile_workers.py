@@ -34,7 +34,7 @@ from compile_accel import CompileConfig, compile_workers
 from compile_accel.auto_budget import _InWorkers
 from compile_accel.backend import RegionBackend
 from compile_accel.compile_profile import CompileClock
-from compile_accel.compile_workers import WorkerCompile, WorkerGraph
+from compile_accel.compile_workers import WorkerCompile, WorkerGraph, WorkerPrecompiled
 from compile_accel.stats import Stats
 
 pytestmark = pytest.mark.skipif(
@@ -1231,3 +1231,29 @@ def test_a_pool_whose_pipe_breaks_as_a_graph_is_written_is_given_up_with_one_war
     assert "the compile workers' pool process exited (its pipe broke" in warning
     assert not any(isinstance(graph, WorkerGraph) for graph in graphs) and stats.worker_graphs_started == 0
     assert len(_FakePool.made) == 1 and not compile_workers.running()  # no pool started again
+
+
+@pool_killing
+def test_a_precompile_save_waiting_on_a_killed_pool_leaves_its_graph_out_with_one_warning(kill_pool: Callable) -> None:
+    """The precompile save's thread waits for each graph it writes (WorkerPrecompiled): killed
+    while that wait runs, the graph fails and is left out of the file instead of the thread
+    waiting for ever."""
+    precompiled = WorkerPrecompiled(compile_workers._submit(time.sleep, HANG))  # still compiling, as it were
+
+    def serialize() -> BaseException | None:
+        try:
+            WorkerPrecompiled.serialize_compile_artifacts(precompiled)
+        except Exception as error:  # what PrecompileSave leaves out (precompile._left_out)
+            return error
+        return None
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        killing = threading.Timer(0.5, kill_pool)
+        killing.start()
+        error = _within_deadline(serialize)
+        killing.join()
+    assert error is not None
+    [warning] = _ours(caught)
+    assert "the compile workers' pool process exited (exit code -9" in warning
+    assert not compile_workers.running()
