@@ -65,7 +65,9 @@ NOT_EMULATED = (
 )
 
 
-def refusal(flag: str, device: str, modes: list[ModeSpec], vram_cap_gib: float | None) -> str | None:
+def refusal(
+    flag: str, device: str, modes: list[ModeSpec], vram_cap_gib: float | None, gpu_sms: int | None = None
+) -> str | None:
     """Why `flag` (--gpu-like or --gpu-sms) cannot restrict the SMs for these modes here, or None."""
     if device != "cuda":
         return f"{flag} restricts a GPU's SMs, and this run is on the CPU"
@@ -76,6 +78,8 @@ def refusal(flag: str, device: str, modes: list[ModeSpec], vram_cap_gib: float |
         return f"{flag} emulates one card; {several[0]} uses several GPUs"
     if flag == "--gpu-like" and vram_cap_gib is not None:
         return "--gpu-like caps memory at the card's size; drop --vram-cap-gib"
+    if flag == "--gpu-like" and gpu_sms is not None:
+        return "--gpu-like chooses the SM count by measurement; drop --gpu-sms"
     return None
 
 

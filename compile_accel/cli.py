@@ -211,7 +211,7 @@ def bench(args: argparse.Namespace) -> int:
     refusal = _sd_scripts_option_refusal(args, specs) or _vram_cap_refusal(args, device)
     if not refusal and (args.gpu_like or args.gpu_sms):
         flag = "--gpu-like" if args.gpu_like else "--gpu-sms"
-        refusal = gpu_like.refusal(flag, device, specs, args.vram_cap_gib)
+        refusal = gpu_like.refusal(flag, device, specs, args.vram_cap_gib, args.gpu_sms)
     if refusal:
         return _refuse(refusal)
     for spec in specs:
@@ -229,8 +229,9 @@ def bench(args: argparse.Namespace) -> int:
         except ValueError as error:
             return _refuse(f"--gpu-like {args.gpu_like}: {error}")
         print(gpu_like.note(calibration), file=sys.stderr)
-        if recording and gpu_like.cuda_graph_refusal(calibration):
-            return _refuse(f"{recording[0]}: {gpu_like.cuda_graph_refusal(calibration)}")
+        refusal = gpu_like.cuda_graph_refusal(calibration)
+        if recording and refusal:
+            return _refuse(f"{recording[0]}: {refusal}")
         args.gpu_sms, args.vram_cap_gib = calibration["sms"], calibration["card_spec"]["memory_gib"]
     settings = runner.BenchSettings.from_args(args, device)
     out = Path(args.out) if args.out else None

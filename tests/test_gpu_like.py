@@ -91,6 +91,9 @@ def test_what_cannot_be_emulated_is_refused(monkeypatch) -> None:
     assert gpu_like.refusal("--gpu-like", "cuda", one_gpu, 20.0) == (
         "--gpu-like caps memory at the card's size; drop --vram-cap-gib"
     )
+    assert gpu_like.refusal("--gpu-like", "cuda", one_gpu, None, 24) == (
+        "--gpu-like chooses the SM count by measurement; drop --gpu-sms"
+    )
     assert gpu_like.refusal("--gpu-sms", "cuda", one_gpu, 20.0) is None  # N SMs under a cap of one's own
 
 
