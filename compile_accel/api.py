@@ -322,8 +322,6 @@ def _install(
             f"{', ...' if len(uncheckpointed) > 3 else ''}): those now keep all their activations. Compile them "
             "too, or checkpoint them yourself"
         )
-    if acceleration.base_linears is not None:
-        acceleration.on_remove(acceleration.base_linears.remove)  # frees the quantized copies
     stats.regions = len(regions)
     stats.checkpointing_switched_off = [s.name for s in switches]
     for patch in acceleration._eager_patches:

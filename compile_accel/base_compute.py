@@ -1,28 +1,36 @@
 """CompileConfig.base_compute="int8": the matmuls of frozen base weights inside compiled regions in int8.
 
 A LoRA step needs two products of a frozen Linear's weight W (out x in): the forward Y = X·Wᵀ and
-the input gradient dX = dY·W; the weight's own gradient is never computed. Both run as
-`torch._int_mm` (int8 x int8, int32 accumulate) with symmetric scales that factor out of the sum:
+the input gradient dX = dY·W; the weight's own gradient is never computed. Both run as int8 x int8
+products with int32 accumulation and symmetric scales that factor out of the sum:
 
 - forward: X per row (token), quantized at each call; W per output channel (its rows);
 - backward: dY per row at each call; W per input channel (the rows of Wᵀ): a second copy.
 
-A weight's two copies are made at their first use and again only when the weight changes (in
-place: its version counter moves; swapped: its data pointer moves), kept per weight object and
-dropped by `remove()`. They take one byte per weight element each, beside the weight.
+The weight is quantized at each call, in the same graph: a kept copy per orientation would add
+one byte per base weight element twice over (5 GiB for Lumina 2, which then no longer fits 24 GiB
+at budget 0.5), and quantizing reads the weight once, little beside the product's work. A graph is
+shared by every block of its class, so it reads whichever weights it is given (a swapped block's
+too).
 
 Where: RegionBackend rewrites each `linear` call in dynamo's graph of a region whose weight is a
 frozen nn.Linear of that region (`rewrite_base_linears`): a plain Linear, the base a kohya-style
 LoRA calls through its saved `org_forward`, peft's `base_layer`, all of which reach F.linear with
-that weight. The call becomes `compile_accel::int8_linear`, a custom op with its backward
-registered, before AOTAutograd, so every compile path (in this process, compile workers,
-precompile, auto's traced step) gets the same graph, and the LoRA path, trainable, stays in its
-dtype. A call whose layer cannot run in int8 stays as it was, and the reason is recorded
+that weight. The call becomes `int8_linear` before AOTAutograd, so every compile path (in this
+process, compile workers, precompile, auto's traced step) gets the same graph, and the LoRA path,
+trainable, stays in its dtype. In it the activations (forward) and the output gradients
+(backward) are quantized with torch ops the compiler fuses into the kernels around them; the
+products run in `compile_accel::int8_base_matmul`, one kernel with the scales applied
+(compile_accel.int8_matmul). A call whose layer cannot run in int8 stays as it was, and the reason is recorded
 (`BaseLinears.summary`, in `stats()["base_compute"]`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import inspect
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,13 +39,14 @@ import torch.fx
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import int8_matmul
 from .int8 import quantize_int8
+from .int8_matmul import scaled_int8_mm
 from .selective import RegionSpec, is_excluded
 
 INT8 = "int8"
 NOT_TRACED = "not in a compiled graph yet (no compiled call has reached it)"
-# torch._int_mm on CUDA: more than 16 rows, and both the inner and the outer size multiples of 8.
-CUDA_INT_MM_MIN_ROWS = 17
+# int8 matmuls on CUDA (torch._int_mm; the Triton kernel's 16-byte loads): sizes multiples of 8.
 CUDA_INT_MM_MULTIPLE = 8
 
 
@@ -66,85 +75,59 @@ def base_compute_refusal(compute: str | None, devices: set[torch.device]) -> str
     return None
 
 
-@dataclass
-class _Copies:
-    """A weight's quantized copies (int8 values, fp32 scale per row), and the data pointer and
-    version they were made at. Keyed by `transposed`: False, W per output channel (the forward's);
-    True, Wᵀ per row, W per input channel (the backward's)."""
-
-    data_ptr: int
-    version: int
-    by_orientation: dict[bool, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+def _quantized_rows(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`values` as rows of their last dimension, quantized per row."""
+    return quantize_int8(values.reshape(-1, values.shape[-1]))
 
 
-_copies: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> _Copies
-copies_made = [0]  # quantized copies made in this process (the tests count them)
+class _Int8Linear(torch.autograd.Function):
+    """F.linear(x, weight, bias) of a frozen weight, with both of its matmuls in int8; the
+    gradient goes to x alone (rewrite_base_linears rewrites no call whose weight or bias trains).
+    Everything but the products is torch ops, which the compiler fuses into the kernels around."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype):
+        ctx.save_for_backward(weight)
+        ctx.in_dtype = x.dtype
+        out = scaled_int8_mm(*_quantized_rows(x), *quantize_int8(weight), bias, out_dtype)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        (weight,) = ctx.saved_tensors
+        # dX = dY·W: W quantized per input channel, so that its scales factor out of the sum.
+        weight_by_input = quantize_int8(weight.t().contiguous())
+        grad_x = scaled_int8_mm(*_quantized_rows(grad), *weight_by_input, None, ctx.in_dtype)
+        return grad_x.reshape(*grad.shape[:-1], weight.shape[1]), None, None, None
 
 
-def _quantized(weight: torch.Tensor, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`weight` (or its transpose) quantized per row: made once, again after the weight changed."""
-    copies = _copies.get(weight)
-    if copies is None or copies.data_ptr != weight.data_ptr() or copies.version != weight._version:
-        copies = _copies[weight] = _Copies(weight.data_ptr(), weight._version)
-    if transposed not in copies.by_orientation:
-        copies.by_orientation[transposed] = quantize_int8(weight.t().contiguous() if transposed else weight)
-        copies_made[0] += 1
-    return copies.by_orientation[transposed]
+def _implementation_hash() -> str:
+    """A hash of the code int8_linear runs (or of compile_accel's version, where no source is
+    installed)."""
+    try:
+        source = "".join(inspect.getsource(sys.modules[name]) for name in (__name__, int8_matmul.__name__))
+    except (OSError, TypeError):
+        source = importlib.metadata.version("compile_accel")
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
-def _int8_matmul(values: torch.Tensor, matrix: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """values (m x k, floating) times matrixᵀ (matrix: int8 n x k and its fp32 row scales), in fp32:
-    values quantized per row, int32 products, both scales applied after."""
-    rows, row_scale = quantize_int8(values)
-    q, q_scale = matrix
-    m = rows.shape[0]
-    if rows.is_cuda and m < CUDA_INT_MM_MIN_ROWS:  # zero rows, dropped below
-        rows = torch.nn.functional.pad(rows, (0, 0, 0, CUDA_INT_MM_MIN_ROWS - m))
-    products = torch._int_mm(rows, q.t())[:m]
-    return products.float() * row_scale[:, None] * q_scale[None, :]
+# int8_linear is an operator (a graph's call target must pickle for compile workers) made of the
+# ops _Int8Linear runs: composite, so the compiler traces through it and autograd takes
+# _Int8Linear's backward. AOTAutograd's cache keys on dynamo's graph, where the operator is only a
+# name: its overload is named after the code, so that no entry compiled from other code is taken.
+_OVERLOAD = f"v{_implementation_hash()}"
+_library = torch.library.Library("compile_accel", "FRAGMENT")
+_library.define(f"int8_linear.{_OVERLOAD}(Tensor x, Tensor weight, Tensor? bias, ScalarType out_dtype) -> Tensor")
 
 
-@torch.library.custom_op("compile_accel::int8_linear", mutates_args=())
-def int8_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
-) -> torch.Tensor:
-    """F.linear(x, weight, bias) in int8, in `out_dtype` (what the call gave under autocast)."""
-    out = _int8_matmul(x.reshape(-1, x.shape[-1]), _quantized(weight, transposed=False))
-    if bias is not None:
-        out += bias.float()
-    return out.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
+def _int8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    return _Int8Linear.apply(x, weight, bias, out_dtype)
 
 
-@int8_linear.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype)
-
-
-@torch.library.custom_op("compile_accel::int8_linear_input_grad", mutates_args=())
-def int8_linear_input_grad(grad: torch.Tensor, weight: torch.Tensor, in_dtype: torch.dtype) -> torch.Tensor:
-    """grad · weight in int8: int8_linear's input gradient, in its input's dtype."""
-    out = _int8_matmul(grad.reshape(-1, grad.shape[-1]), _quantized(weight, transposed=True))
-    return out.to(in_dtype).reshape(*grad.shape[:-1], weight.shape[1])
-
-
-@int8_linear_input_grad.register_fake
-def _(grad: torch.Tensor, weight: torch.Tensor, in_dtype: torch.dtype) -> torch.Tensor:
-    return grad.new_empty((*grad.shape[:-1], weight.shape[1]), dtype=in_dtype)
-
-
-def _save_weight(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    x, weight, _, _ = inputs
-    ctx.save_for_backward(weight)
-    ctx.in_dtype = x.dtype
-
-
-def _input_grad(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
-    # Only the input's: the weight and bias are frozen (rewrite_base_linears rewrites no other call).
-    (weight,) = ctx.saved_tensors
-    return int8_linear_input_grad(grad, weight, ctx.in_dtype) if ctx.needs_input_grad[0] else None, None, None, None
-
-
-int8_linear.register_autograd(_input_grad, setup_context=_save_weight)
+_library.impl(f"int8_linear.{_OVERLOAD}", _int8_linear, "CompositeImplicitAutograd")
+# F.linear(x, weight, bias) in int8, in `out_dtype` (what the call gave under autocast): the call
+# rewrite_base_linears puts in place of a base Linear's.
+int8_linear = getattr(torch.ops.compile_accel.int8_linear, _OVERLOAD)
 
 
 @dataclass
@@ -190,11 +173,6 @@ class BaseLinears:
             "in_8_bits": len(self.layers) - len(stayed),
             "stayed": stayed,
         }
-
-    def remove(self) -> None:
-        """Free the layers' quantized copies."""
-        for _, _, layer in self.layers.values():
-            _copies.pop(layer.weight, None)
 
 
 def _layer_key(kind: type, path: str, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
@@ -276,7 +254,7 @@ def _rewrite_linear(
     x_node, weight_node, bias_node = _linear_arguments(node)
     with gm.graph.inserting_before(node):
         replacement = gm.graph.call_function(
-            torch.ops.compile_accel.int8_linear.default,
+            int8_linear,
             (x_node, weight_node, bias_node, node.meta["example_value"].dtype),
         )
     replacement.meta = dict(node.meta)

@@ -29,7 +29,7 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return F.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
 
 
-def test_int8_linear_matches_linear_and_follows_the_weights_changes() -> None:
+def test_int8_linear_matches_linear_and_follows_its_weight() -> None:
     torch.manual_seed(torch.seed())
     linear = nn.Linear(48, 40).requires_grad_(False)
     x = torch.randn(3, 10, 48, requires_grad=True)
@@ -43,25 +43,20 @@ def test_int8_linear_matches_linear_and_follows_the_weights_changes() -> None:
         out.backward(grad)
         return out, expected, x.grad, expected_input_grad
 
-    made = base_compute.copies_made[0]
-    for _ in range(2):  # the second call makes no copy
-        out, expected, input_grad, expected_input_grad = both()
-        assert 0 < relative_error(out, expected) <= MAX_ERROR
-        assert 0 < relative_error(input_grad, expected_input_grad) <= MAX_ERROR
-        assert base_compute.copies_made[0] == made + 2  # one per output channel, one per input channel
+    out, expected, input_grad, expected_input_grad = both()
+    assert 0 < relative_error(out, expected) <= MAX_ERROR
+    assert 0 < relative_error(input_grad, expected_input_grad) <= MAX_ERROR
 
     with torch.no_grad():
-        linear.weight.mul_(-2)  # in place: the version counter moves
+        linear.weight.mul_(-2)  # in place
     out, expected, input_grad, expected_input_grad = both()
     assert relative_error(out, expected) <= MAX_ERROR
     assert relative_error(input_grad, expected_input_grad) <= MAX_ERROR
-    assert base_compute.copies_made[0] == made + 4
 
-    linear.weight.data = torch.randn(40, 48)  # a new storage: the data pointer moves
+    linear.weight.data = torch.randn(40, 48)  # a new storage (as a swapped block's)
     out, expected, input_grad, expected_input_grad = both()
     assert relative_error(out, expected) <= MAX_ERROR
     assert relative_error(input_grad, expected_input_grad) <= MAX_ERROR
-    assert base_compute.copies_made[0] == made + 6
 
 
 @pytest.mark.parametrize(
@@ -102,7 +97,6 @@ def test_kohya_dit_blocks_in_int8_match_eager_across_shapes_and_remove_restores_
     expected_loss, expected_grads = lora_step(model, params, inputs)
     for handle in handles:
         handle.remove()
-    made = base_compute.copies_made[0]
 
     acceleration = compile_accel.apply(model, CompileConfig(mode="blocks", dynamic=True, base_compute="int8"))
     # Each block on eager's input to it, so that its error is its own.
@@ -121,16 +115,13 @@ def test_kohya_dit_blocks_in_int8_match_eager_across_shapes_and_remove_restores_
     assert relative_error(loss, expected_loss) <= MAX_ERROR
     cosines = [_cosine(grad, expected) for grad, expected in zip(grads, expected_grads, strict=True)]
     assert min(cosines) >= MIN_COSINE, cosines
-    # Two copies of each of the 12 base weights (4 blocks: modulation, linear1, linear2), made once.
-    assert base_compute.copies_made[0] == made + 24
 
     for shape in [(16, 8, 8), (8, 24, 6), (12, 20, 8)]:  # aspect-ratio buckets, caption lengths
         lora_step(model, params, _inputs(model, *shape))
-    made = base_compute.copies_made[0]
     with torch.no_grad():
-        blocks[0].linear1.weight.mul_(0.5)  # in place between steps: its two copies are made again
+        blocks[0].linear1.weight.mul_(0.5)  # in place between steps: the graph reads the new values
     changed_loss, _ = lora_step(model, params, inputs)
-    assert base_compute.copies_made[0] == made + 2 and changed_loss != loss
+    assert changed_loss != loss
     with torch.no_grad():
         blocks[0].linear1.weight.mul_(2)  # back, exactly (powers of two)
     stats = acceleration.stats()
@@ -139,7 +130,6 @@ def test_kohya_dit_blocks_in_int8_match_eager_across_shapes_and_remove_restores_
 
     acceleration.remove()
     assert torch.equal(model(*inputs), expected_out)
-    assert not any(p in base_compute._copies for p in model.parameters())
 
 
 class _MLPBlock(nn.Module):
