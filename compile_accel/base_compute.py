@@ -120,7 +120,9 @@ _library = torch.library.Library("compile_accel", "FRAGMENT")
 _library.define(f"int8_linear.{_OVERLOAD}(Tensor x, Tensor weight, Tensor? bias, ScalarType out_dtype) -> Tensor")
 
 
-def _int8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+def _int8_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
     return _Int8Linear.apply(x, weight, bias, out_dtype)
 
 

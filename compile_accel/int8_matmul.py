@@ -11,6 +11,7 @@ correctness, not speed) and without Triton it is `torch._int_mm` and torch ops.
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 
 import torch
@@ -22,8 +23,7 @@ from .stats import warn
 CUDA_INT_MM_MIN_ROWS = 17
 
 
-@torch.library.custom_op("compile_accel::scaled_int8_mm", mutates_args=())
-def scaled_int8_mm(
+def _scaled_int8_mm(
     a: torch.Tensor,
     a_scale: torch.Tensor,
     b: torch.Tensor,
@@ -32,9 +32,12 @@ def scaled_int8_mm(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """(a · bᵀ) * a_scale[:, None] * b_scale[None, :] + bias, in out_dtype: a (m x k) and b (n x k)
-    int8, a_scale (m) and b_scale (n) fp32, bias (n) of any floating dtype or None. An operator
-    the compiler keeps whole (a kernel of its own) and fuses the quantization around."""
-    a, b, a_scale, b_scale = a.contiguous(), b.contiguous(), a_scale.contiguous(), b_scale.contiguous()
+    int8, a_scale (m) and b_scale (n) fp32, bias (n) of any floating dtype or None.
+
+    A triton_op: in a compiled graph inductor launches the kernel from its generated code. As an
+    opaque custom op each call cost ~0.2 ms of host time, more than the kernel's time at SD3's
+    sizes on an H200 restricted to a 4090's 24 SMs (profiled 2026-11-28)."""
+    a, b = a.contiguous(), b.contiguous()
     kernel = _kernel() if a.is_cuda else None
     if kernel is None:
         return _torch_scaled_int8_mm(a, a_scale, b, b_scale, bias, out_dtype)
@@ -42,35 +45,25 @@ def scaled_int8_mm(
     n = b.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     grid = lambda meta: (_cdiv(m, meta["BLOCK_M"]) * _cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-    with torch.cuda.device(a.device):
-        kernel[grid](
-            a, b, a_scale, b_scale, bias if bias is not None else a_scale, out,
-            m, n, k, _rows_bucket(m),
-            HAS_BIAS=bias is not None,
-        )  # fmt: skip
+    torch.library.wrap_triton(kernel)[grid](
+        a, b, a_scale, b_scale, bias if bias is not None else a_scale, out, m, n, k, HAS_BIAS=bias is not None
+    )
     return out
 
 
-@scaled_int8_mm.register_fake
-def _(
-    a: torch.Tensor,
-    a_scale: torch.Tensor,
-    b: torch.Tensor,
-    b_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+# torch logs "Triton not available" as it registers a triton_op where Triton is missing (CPU-only
+# installs, which take the torch path); that says nothing to our users.
+_registration_log = logging.getLogger("torch._library.triton")
+_level = _registration_log.level
+_registration_log.setLevel(logging.ERROR)
+try:
+    scaled_int8_mm = torch.library.triton_op("compile_accel::scaled_int8_mm", _scaled_int8_mm, mutates_args=())
+finally:
+    _registration_log.setLevel(_level)
 
 
 def _cdiv(x: int, y: int) -> int:
     return -(-x // y)
-
-
-def _rows_bucket(m: int) -> int:
-    """The autotuning key for m: its power of two, so that aspect-ratio buckets and batch sizes
-    tune once per size class rather than once per row count."""
-    return 1 << max(m - 1, 0).bit_length()
 
 
 def _torch_scaled_int8_mm(
@@ -90,7 +83,7 @@ def _torch_scaled_int8_mm(
     return out.to(out_dtype)
 
 
-# Tiles for Ada and Hopper with int8 operands; the autotuner picks per (n, k, rows bucket).
+# Tiles for Ada and Hopper with int8 operands.
 _CONFIGS = [
     # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
     (128, 128, 128, 8, 3),
@@ -121,11 +114,12 @@ def _kernel():
         for bm, bn, bk, w, s in _CONFIGS
     ]
 
-    @triton.autotune(configs=configs, key=["n", "k", "rows_bucket"])
+    # Tuned once per (n, k), a weight's shape; the row count changes with every aspect-ratio bucket.
+    @triton.autotune(configs=configs, key=["n", "k"])
     @triton.jit
     def scaled_int8_mm_kernel(
         a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, out_ptr,
-        m, n, k, rows_bucket,
+        m, n, k,
         HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):  # fmt: skip
