@@ -50,7 +50,7 @@ from compile_accel.auto_budget import AutoBudget
 from compile_accel.compile_cache import RunCompileCache, load_compile_cache, save_compile_cache
 from compile_accel.dynamo_settings import HAS_CACHE_ARTIFACTS
 from compile_accel.distributed import apply_ddp
-from compile_accel.gc_freeze import freeze_after_first_step
+from compile_accel.first_step import end_first_step
 from compile_accel.memory import SavedActivationMeter
 from compile_accel.memory import gib_argument as _gib
 from compile_accel.placement import split_blocks
@@ -325,13 +325,7 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
     workers = _await_compile_workers(step, gpus, start, auto) if waiting else None
     if workers is None and settings.compile_workers_wait:  # every graph back and loaded in the first step
         workers = {"second_step_s": None, "compiled_after_s": first, "waited_s": round(start + first - stepped, 3)}
-    if run_cache is not None and _rank() == 0:  # as the launcher: before the worker pool stops
-        run_cache.save()
-    compile_workers.first_step_done()  # the pool stops once its graphs are back
-    # As the launcher: what compiling left is frozen out of the garbage collector's full passes.
-    freezing = time.perf_counter()
-    frozen = freeze_after_first_step(acceleration)
-    freeze_s = time.perf_counter() - freezing
+    ended = end_first_step(acceleration, run_cache if _rank() == 0 else None)  # as the launcher
     for _ in range(settings.warmup):
         step()
     if run_cache is not None and _rank() == 0:  # again, with the workers' graphs loaded here since
@@ -370,8 +364,8 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
     }
     if workers is not None:
         stats["compile_workers"] = workers
-    if frozen is not None:
-        stats["gc_freeze"] = {"objects": frozen, "seconds": round(freeze_s, 3)}
+    if ended.frozen is not None:
+        stats["gc_freeze"] = {"objects": ended.frozen, "seconds": round(ended.freeze_s, 3)}
     if run_cache is not None:
         stats["precompiled"] = {
             "loaded": run_cache.precompiled_loaded,

@@ -42,11 +42,12 @@ from compile_accel import Acceleration, CompileConfig, compile_workers
 from compile_accel.adapters import ModelAdapter, ModelOffloadLadder, Undo, UnknownLayout
 from compile_accel.api import apply_adapter
 from compile_accel.auto_budget import OffloadLadder, spaced_levels
+from compile_accel.base_compute import base_compute_refusal
 from compile_accel.blocks import UNET_BLOCK_LISTS
 from compile_accel.compile_cache import RunCompileCache
 from compile_accel.config import CUDA_GRAPH_MODES, cuda_graph_refusal
 from compile_accel.dynamo_settings import HAS_BUDGET_KNOB, HAS_CACHE_ARTIFACTS, cpp_compiler
-from compile_accel.gc_freeze import freeze_after_first_step
+from compile_accel.first_step import end_first_step
 from compile_accel.memory import gib_argument
 from compile_accel.patching import ModuleFunctionPatch
 from compile_accel.preload import start_preloading, wait_for_preload
@@ -359,6 +360,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "compile them at the same time, so that every step after it runs compiled",
         )
         group.add_argument(
+            "--base_compute",
+            choices=["int8", "fp8"],
+            default=None,
+            help="run the frozen base model's matmuls inside the compiled blocks in 8 bits, forward and input "
+            "gradient, the LoRA in its own dtype (int8: CUDA GPUs of compute capability 8.0 or newer; fp8: not "
+            "implemented yet)",
+        )
+        group.add_argument(
             "--compile_cuda_graphs",
             action="store_true",
             help="with --activation_memory_budget B or auto: replay each compiled block as a CUDA graph (inductor's "
@@ -387,10 +396,11 @@ def config_from_args(args: argparse.Namespace) -> CompileConfig | None:
             or args.compile_workers
             or args.compile_workers_wait
             or args.compile_cuda_graphs
+            or args.base_compute
         ):
             raise LaunchError(
-                "--compile_dynamic, --compile_recompile_limit, --no_compile_cache, --compile_workers(_wait) and "
-                "--compile_cuda_graphs need --selective_torch_compile or --activation_memory_budget"
+                "--compile_dynamic, --compile_recompile_limit, --no_compile_cache, --compile_workers(_wait), "
+                "--compile_cuda_graphs and --base_compute need --selective_torch_compile or --activation_memory_budget"
             )
         return None
     asked = "--activation_memory_budget" if budget is not None else f"--selective_torch_compile ({SELECTIVE_ENV})"
@@ -425,6 +435,14 @@ def config_from_args(args: argparse.Namespace) -> CompileConfig | None:
         recompile_limit=args.compile_recompile_limit,
         compile_workers=args.compile_workers or 0,
     )
+    if args.base_compute:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where sd-scripts trains
+        refusal = base_compute_refusal(args.base_compute, {device})
+        if refusal is None and args.compile_cuda_graphs:
+            refusal = "does not run under --compile_cuda_graphs yet; drop one of the two"
+        if refusal:
+            raise LaunchError(f"--base_compute {args.base_compute}: {refusal}")
+        config.base_compute = args.base_compute
     if args.compile_cuda_graphs:
         refusal = cuda_graph_refusal(config, "--blocks_to_swap" if getattr(args, "blocks_to_swap", None) else None)
         if refusal:
@@ -564,6 +582,8 @@ class Launch:
         waiting_asked = self.args is not None and self.args.compile_workers_wait
         waited_for = compile_workers.wait_and_load() if waiting_asked else 0
         stats = self.acceleration.stats()
+        has_cache = self.compile_cache is not None and self.compile_cache.path is not None
+        ended = end_first_step(self.acceleration, self.compile_cache if has_cache else None)
         auto = stats.get("auto_budget")
         auto_waiting = self._auto_waiting_for()
         chose = ""
@@ -574,9 +594,9 @@ class Launch:
             chose = f"; auto goes on once {auto_waiting} are back from the compile workers"
         waiting = stats["worker_graphs_started"] - self._graphs_back()
         cache = ""
-        if self.compile_cache is not None and self.compile_cache.path is not None:
+        if has_cache:
             loaded = "loaded from" if self.compile_cache.loaded else "not yet in"
-            saved = ", saved there" if self.compile_cache.save() else ""
+            saved = ", saved there" if ended.saved_bytes else ""
             if waiting or auto_waiting is not None:  # the file lacks them: saved again once back
                 self._resave_after = stats["worker_graphs_started"]
                 compiled = "auto has chosen" if auto_waiting else "the compile workers' graphs run compiled"
@@ -601,15 +621,13 @@ class Launch:
             )
         else:
             workers = ""
-        compile_workers.first_step_done()  # the pool stops once its graphs are back
         _say(
             f"first step done: {times.summary()}; {stats['unique_graphs']} "
             f"graphs, {stats['recompiles']} recompiles, {len(stats['fallbacks'])} fallbacks{chose}{cache}{workers}"
         )
-        frozen = freeze_after_first_step(self.acceleration)
-        if frozen is not None:
+        if ended.frozen is not None:
             _say(
-                f"{frozen} Python objects frozen out of the garbage collector's passes (a full pass over what "
+                f"{ended.frozen} Python objects frozen out of the garbage collector's passes (a full pass over what "
                 "compiling leaves takes a step's time; gc.unfreeze() undoes it)"
             )
 

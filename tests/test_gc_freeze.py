@@ -1,4 +1,5 @@
-"""compile_accel.gc_freeze: garbage collected first, then what is alive left out of later collections."""
+"""compile_accel.gc_freeze: garbage collected first, then what is alive left out of later collections;
+and compile_accel.first_step, which calls it at the end of the first step."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import weakref
 import torch
 
 import compile_accel
-from compile_accel import CompileConfig
+from compile_accel import CompileConfig, first_step
 from compile_accel.gc_freeze import freeze_after_first_step
 
 
@@ -56,3 +57,24 @@ def test_freezing_collects_the_garbage_then_leaves_what_is_alive_out_of_later_co
         gc.unfreeze()
     gc.collect()
     assert still_there() is None
+
+
+def test_the_first_steps_end_saves_while_the_pool_is_up_then_freezes(monkeypatch) -> None:
+    """end_first_step, shared by the launcher and the bench: the run's cache is saved before the
+    compile workers may stop (they precompile the graphs it saves), the collector frozen last."""
+    events: list[str] = []
+
+    class RunCache:
+        def save(self) -> int:
+            events.append("save")
+            return 7
+
+    monkeypatch.setattr(first_step.compile_workers, "first_step_done", lambda: events.append("pool may stop"))
+    monkeypatch.setattr(first_step, "freeze_after_first_step", lambda acceleration: events.append("freeze") or 3)
+    ended = first_step.end_first_step(accelerated(graphs_compiled=1), RunCache())
+    assert events == ["save", "pool may stop", "freeze"]
+    assert (ended.saved_bytes, ended.frozen) == (7, 3)
+
+    events.clear()
+    ended = first_step.end_first_step(accelerated(graphs_compiled=1), None)  # no run cache
+    assert events == ["pool may stop", "freeze"] and ended.saved_bytes == 0

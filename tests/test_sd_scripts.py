@@ -173,6 +173,7 @@ def test_help_lists_the_flags(checkout: Path) -> None:
         "--activation_memory_budget",
         "--compile_dynamic",
         "--compile_recompile_limit",
+        "--base_compute",
     ):
         assert flag in proc.stdout
     assert accel.SELECTIVE_ENV in proc.stdout
@@ -244,6 +245,18 @@ def test_bad_budget_is_an_argparse_error(value: str) -> None:
             {},
             "--compile_workers_wait waits for the compile workers: give --compile_workers N too",
         ),
+        (["--base_compute", "int8"], {}, "--base_compute need --selective_torch_compile or --activation_memory_budget"),
+        (
+            ["--selective_torch_compile", "--base_compute", "fp8"],
+            {},
+            "--base_compute fp8: base_compute='fp8' needs a CUDA GPU of compute capability 8.9 or newer; on the CPU "
+            "use 'int8'",
+        ),
+        (
+            ["--activation_memory_budget", "0.5", "--base_compute", "int8", "--compile_cuda_graphs"],
+            {},
+            "--base_compute int8: does not run under --compile_cuda_graphs yet; drop one of the two",
+        ),
         (
             ["--activation_memory_budget", "auto", "--compile_workers", "2", "--compile_workers_wait"],
             {},
@@ -254,6 +267,17 @@ def test_bad_budget_is_an_argparse_error(value: str) -> None:
 def test_combinations_that_cannot_work_are_refused(argv: list[str], flags: dict, message: str) -> None:
     with pytest.raises(accel.LaunchError, match=message):
         accel.config_from_args(_parse(*argv, **flags))
+
+
+def test_base_compute_reaches_the_config_and_a_gpu_that_cannot_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = accel.config_from_args(_parse("--activation_memory_budget", "0.5", "--base_compute", "int8"))
+    assert config.base_compute == "int8"
+    assert accel.config_from_args(_parse("--selective_torch_compile")).base_compute is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    refusal = r"--base_compute int8: .*compute capability 8\.0 or newer; cuda is 7\.5"
+    with pytest.raises(accel.LaunchError, match=refusal):
+        accel.config_from_args(_parse("--selective_torch_compile", "--base_compute", "int8"))
 
 
 def test_compile_workers_become_the_compile_config_where_torch_has_them(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -345,7 +369,7 @@ def test_compile_accel_apply_uses_the_family_of_a_known_sd_scripts_model(caplog:
 def test_compile_accel_apply_gives_a_known_sd_scripts_model_its_block_swap_under_auto() -> None:
     """auto's offload ladder for MMDiT is sd-scripts' block swap, from none to all but two of its
     blocks, through compile_accel.apply as through the launcher's apply; a class without block
-    swap keeps the default (no LayerOffloadConductor here: none)."""
+    swap keeps the default (no BlockOffloadConductor here: none)."""
     config = CompileConfig(mode="blocks", activation_memory_budget="auto", vram_limit_gib=1, backend="eager")
     for apply in (compile_accel.apply, accel.apply):
         mmdit = type("MMDiT", (torch.nn.Module,), {"__module__": "library.sd3_models"})()
