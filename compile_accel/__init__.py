@@ -10,7 +10,7 @@ print(acc.stats()); acc.remove()
 from .api import Acceleration, apply
 from .blocks import BlockList, find_block_lists
 from .config import CompileConfig
-from .offload import BlockOffloadConductor, LayerOffloadConductor
+from .offload import BlockOffloadConductor
 from .preload import start_preloading
 
 __all__ = [
@@ -18,7 +18,6 @@ __all__ = [
     "BlockList",
     "BlockOffloadConductor",
     "CompileConfig",
-    "LayerOffloadConductor",
     "apply",
     "find_block_lists",
     "start_preloading",

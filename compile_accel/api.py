@@ -77,8 +77,6 @@ class Acceleration:
         Integrations use it to undo what they changed around `apply`."""
         self._on_remove.append(callback)
 
-    on_restore = on_remove  # the old name
-
     def stats(self) -> dict[str, Any]:
         """Counters since apply(): regions, compiled_regions, unique_graphs, recompiles,
         graph_breaks, compile_seconds, fallbacks, eager_nonresident_calls, and more; under
@@ -124,8 +122,6 @@ class Acceleration:
             callback()
         self.model.__dict__.pop(_MARK, None)
         self._removed = True
-
-    restore = remove  # the old name
 
     def __repr__(self) -> str:
         return f"Acceleration(mode={self.config.mode!r}, regions={len(self.regions)}, blocks={[b.path for b in self.block_lists]})"

@@ -67,8 +67,6 @@ class BlockPlacement:
         for module in [self.model, *self.delegates]:
             module.to(self.original_device)
 
-    undo = remove  # the old name
-
 
 def _delegates(block: nn.Module) -> list[nn.Module]:
     """Modules outside `block` that its submodules hand their forward to (kohya-style LoRA

@@ -168,5 +168,5 @@ def test_undo_still_puts_the_placement_back_under_its_old_name() -> None:
     from test_offload import Stack
 
     model = Stack(n=4)
-    split_blocks(model, ["cpu", "cpu"]).undo()
+    split_blocks(model, ["cpu", "cpu"]).remove()
     assert not any(block._forward_pre_hooks or block._forward_hooks for block in model.blocks)

@@ -13,7 +13,10 @@ from compile_accel import CompileConfig
 from compile_accel.benchmarks.lora import KohyaStyleLoRA
 from compile_accel.regions import Region
 
-BLOCKS = CompileConfig(mode="blocks", activation_memory_budget=0.5)
+# What apply() and remove() do to the model is under test, not inductor's code: aot_eager compiles
+# the same graphs in a fraction of inductor's CPU time.
+BACKEND = "aot_eager"
+BLOCKS = CompileConfig(mode="blocks", activation_memory_budget=0.5, backend=BACKEND)
 
 
 def test_state_dict_keys_parameters_and_optimizer_unchanged() -> None:
@@ -21,7 +24,7 @@ def test_state_dict_keys_parameters_and_optimizer_unchanged() -> None:
     keys = list(model.state_dict())
     ids = [id(p) for p in model.parameters()]
     optimizer = torch.optim.SGD(params, lr=0.1)  # built before apply
-    compile_accel.apply(model, CompileConfig(mode="selective"))
+    compile_accel.apply(model, CompileConfig(mode="selective", backend=BACKEND))
     assert list(model.state_dict()) == keys
     assert not any("_orig_mod" in k for k in model.state_dict())
     assert [id(p) for p in model.parameters()] == ids
@@ -46,17 +49,6 @@ def test_remove_gives_eager_back() -> None:
     assert torch.equal(loss, eager_loss)
     assert all(torch.equal(g, e) for g, e in zip(grads, eager_grads, strict=True))
     compile_accel.apply(model, BLOCKS)  # and it can be applied again
-
-
-def test_restore_and_on_restore_still_undo_apply_under_their_old_names() -> None:
-    model, _ = build("kohya", None)
-    acceleration = compile_accel.apply(model, CompileConfig(mode="selective"))
-    undone = []
-    acceleration.on_restore(lambda: undone.append(True))
-    acceleration.restore()
-    assert undone == [True]
-    assert not any(isinstance(m.__dict__.get("forward"), Region) for m in model.modules())
-    compile_accel.apply(model, CompileConfig(mode="selective"))  # and it can be applied again
 
 
 def test_data_swap_does_not_recompile() -> None:
@@ -94,7 +86,7 @@ def test_region_runs_eager_while_not_resident() -> None:
     counts it; nothing compiles. Back on one device, it runs compiled, until a tensor registered
     later lives elsewhere."""
     model = _LinearStack()
-    acceleration = compile_accel.apply(model, CompileConfig(mode="blocks", backend="aot_eager"))
+    acceleration = compile_accel.apply(model, CompileConfig(mode="blocks", backend=BACKEND))
     out = model(torch.empty(2, 8, device="meta"))
     assert out.device.type == "meta"
     stats = acceleration.stats()
@@ -160,7 +152,7 @@ def test_in_place_change_of_an_input_that_needs_no_grad_trains_as_in_eager() -> 
     x = torch.randn(4, 8, requires_grad=True)
     expected_total = torch.zeros(3)
     expected = model(x, expected_total)
-    compile_accel.apply(model, CompileConfig(mode="blocks", backend="aot_eager"))
+    compile_accel.apply(model, CompileConfig(mode="blocks", backend=BACKEND))
     total = torch.zeros(3)
     torch.testing.assert_close(model(x, total), expected)
     torch.testing.assert_close(total, expected_total)
@@ -168,7 +160,7 @@ def test_in_place_change_of_an_input_that_needs_no_grad_trains_as_in_eager() -> 
 
 def test_in_place_change_of_a_copied_input_is_an_error_not_a_lost_update() -> None:
     model = _AccumulatingStack()
-    compile_accel.apply(model, CompileConfig(mode="blocks", backend="aot_eager"))
+    compile_accel.apply(model, CompileConfig(mode="blocks", backend=BACKEND))
     total = torch.zeros(3, 2).t()  # not contiguous: the region gets a contiguous copy
     with torch.no_grad(), pytest.raises(RuntimeError, match="changed a view or non-contiguous input in place"):
         model(torch.randn(4, 8), total)

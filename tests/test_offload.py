@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 import compile_accel
 from compile_accel import CompileConfig, offload
 from compile_accel.int8 import Int8Matrices, Int8Matrix, dequantize_int8_, quantize_int8
-from compile_accel.offload import BlockOffloadConductor, LayerOffloadConductor, activations, layout
+from compile_accel.offload import BlockOffloadConductor, activations, layout
 
 DIM, TOKENS = 32, 16
 
@@ -869,21 +869,14 @@ def test_activation_offload_every_step_and_no_leak_from_forwards_without_backwar
     assert kept[0].untyped_storage().data_ptr() not in buffers and torch.equal(kept[0], values)
 
 
-@pytest.mark.parametrize("old_names", [False, True], ids=["block-names", "old-layer-names"])
-def test_trainer_driven_visits_without_hooks(old_names: bool) -> None:
+def test_trainer_driven_visits_without_hooks() -> None:
     """attach(hooks=False): the trainer calls before_block/after_block around each block and
-    remove() at the end; the old names (LayerOffloadConductor, before_layer, after_layer,
-    detach) do the same."""
+    remove() at the end."""
     reference = Stack(n=4, checkpointing=None)
     model = copy_of(reference)
     original = {k: v.clone() for k, v in model.state_dict().items()}
-    make = LayerOffloadConductor if old_names else BlockOffloadConductor
-    conductor = make(offload_fraction=0.75, device="cpu").attach(model.blocks, hooks=False)
-    before, after, remove = (
-        (conductor.before_layer, conductor.after_layer, conductor.detach)
-        if old_names
-        else (conductor.before_block, conductor.after_block, conductor.remove)
-    )
+    conductor = BlockOffloadConductor(offload_fraction=0.75, device="cpu").attach(model.blocks, hooks=False)
+    before, after, remove = conductor.before_block, conductor.after_block, conductor.remove
     assert not any(block._forward_pre_hooks for block in model.blocks)
     x, cond = stack_inputs()
     h = x.detach().requires_grad_(True)

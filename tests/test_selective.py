@@ -25,6 +25,9 @@ from compile_accel.integrations.sd_scripts import FAMILIES
 from compile_accel.selective import checkpoint_body, region_specs
 
 TOLERANCE = 1e-4  # fp32 on the CPU: compiled and eager differ by rounding only
+# Which modules are compiled is under test, not inductor's code: aot_eager runs the same graphs
+# (tests/test_parity.py compiles them with inductor).
+BACKEND = "aot_eager"
 DIM = 16
 
 
@@ -221,7 +224,7 @@ def test_children_reached_through_a_parent_are_compiled_instead_of_it() -> None:
         "blocks.0.attn.proj",
         "blocks.0.mlp",
     ]
-    stats = _assert_matches_eager(model, params, CompileConfig(mode="selective")).stats()
+    stats = _assert_matches_eager(model, params, CompileConfig(mode="selective", backend=BACKEND)).stats()
     assert stats["compiled_regions"] == stats["regions"] == 12
     # Every module whose forward runs with compute of its own is inside a region.
     covered = {id(m) for s in specs for m in s.module.modules()}
@@ -235,7 +238,7 @@ def test_a_checkpointed_body_is_compiled_and_the_checkpoint_stays_eager() -> Non
         block.gradient_checkpointing = True
     params = _with_lora(model)
     assert checkpoint_body(BodyBlock) == "_forward"
-    stats = _assert_matches_eager(model, params, CompileConfig(mode="selective")).stats()
+    stats = _assert_matches_eager(model, params, CompileConfig(mode="selective", backend=BACKEND)).stats()
     # One body region per block, one graph for the class; forward (the checkpoint) untouched.
     assert stats["regions"] == stats["compiled_regions"] == 3 and stats["unique_graphs"] == 1
     assert all("forward" not in vars(block) and "_forward" in vars(block) for block in model.blocks)
@@ -249,7 +252,7 @@ def test_a_body_behind_a_wrapper_call_is_found() -> None:
 def test_remove_gives_the_body_method_back() -> None:
     model = Stack(BodyBlock)
     _with_lora(model)
-    acceleration = compile_accel.apply(model, CompileConfig(mode="selective"))
+    acceleration = compile_accel.apply(model, CompileConfig(mode="selective", backend=BACKEND))
     acceleration.remove()
     assert all("_forward" not in vars(block) for block in model.blocks)
 
@@ -371,7 +374,8 @@ def test_unet_selective_compiles_every_checkpointed_body_and_the_lora_layers_bet
     labels = [s.label for s in region_specs("selective", resolve_block_lists(unet, unet_paths), [])]
     assert "input_blocks.1.0.forward_body" in labels and "input_blocks.1.1.transformer_blocks.1._forward" in labels
     assert "input_blocks.1.1.proj_in" in labels and "input_blocks.1.1.norm" not in labels
-    stats = _assert_matches_eager(unet, params, CompileConfig(mode="selective"), blocks=unet_paths).stats()
+    config = CompileConfig(mode="selective", backend=BACKEND)
+    stats = _assert_matches_eager(unet, params, config, blocks=unet_paths).stats()
     assert stats["checkpointing_switched_off"] == []
 
 
@@ -380,7 +384,7 @@ def test_unet_blocks_with_a_budget_switch_off_the_checkpoints_inside_them(unet_p
     unet = SdxlStyleUNet()
     unet.enable_gradient_checkpointing()
     params = _with_lora(unet, UNET_LORA_TARGETS)
-    config = CompileConfig(mode="blocks", activation_memory_budget=0.5)
+    config = CompileConfig(mode="blocks", activation_memory_budget=0.5, backend=BACKEND)
     acceleration = _assert_matches_eager(unet, params, config, blocks=unet_paths)
     stats = acceleration.stats()
     flags = {n: m.gradient_checkpointing for n, m in unet.named_modules() if hasattr(m, "gradient_checkpointing")}

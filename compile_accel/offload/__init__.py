@@ -18,7 +18,7 @@ Modules, one concern each:
 """
 
 from .activations import MIN_ACTIVATION_BYTES
-from .conductor import OFFLOAD_DTYPES, BlockOffloadConductor, LayerOffloadConductor, offload_fraction_ladder
+from .conductor import OFFLOAD_DTYPES, BlockOffloadConductor, offload_fraction_ladder
 from .layout import ALIGN
 from .slots import SLOTS
 
@@ -28,6 +28,5 @@ __all__ = [
     "OFFLOAD_DTYPES",
     "SLOTS",
     "BlockOffloadConductor",
-    "LayerOffloadConductor",
     "offload_fraction_ladder",
 ]

@@ -244,8 +244,6 @@ class BlockOffloadConductor:
         self.blocks, self._hooks = [], []
         self._last = self._previous = None
 
-    detach = remove  # the old name
-
     def set_offload_fraction(self, offload_fraction: float) -> None:
         """Stream another share of the blocks: remove, then attach the same blocks again (between
         steps, never inside a forward). activation_memory_budget="auto" turns this when no budget
@@ -324,9 +322,6 @@ class BlockOffloadConductor:
         for tensor in outputs:
             if tensor.requires_grad:
                 tensor.register_hook(self._backward_visit(index))
-
-    before_layer = before_block  # the old names
-    after_layer = after_block
 
     def _backward_visit(self, index: int) -> Callable[[torch.Tensor], None]:
         generation = self._generation
@@ -425,9 +420,6 @@ class BlockOffloadConductor:
             f"BlockOffloadConductor(offload_fraction={self.offload_fraction}, device={self.device}, "
             f"blocks={len(self.blocks)}, streamed={streamed}, offload_dtype={self.offload_dtype!r})"
         )
-
-
-LayerOffloadConductor = BlockOffloadConductor  # the old name
 
 
 def _check_fraction(offload_fraction: Any) -> None:
