@@ -189,7 +189,7 @@ def bench(args: argparse.Namespace) -> int:
     from .benchmarks.modes import DEFAULT_MODES, parse_mode
     from .benchmarks.report import markdown_table, measured
     from .base_compute import base_compute_refusal
-    from .compile_workers import WAIT_WITH_AUTO
+    from .compile_workers import wait_refusal
     from .config import CUDA_GRAPH_MODES
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -204,10 +204,12 @@ def bench(args: argparse.Namespace) -> int:
     auto = [s.name for s in specs if s.config.activation_memory_budget == "auto"]
     if auto and device == "cpu" and args.vram_limit_gib is None:
         return _refuse(f"{auto[0]} on the CPU needs --vram-limit-gib (the limit for the bytes saved for backward)")
-    if args.compile_workers_wait and not args.compile_workers:
-        return _refuse("--compile-workers-wait waits for the compile workers: give --compile-workers N too")
-    if args.compile_workers_wait and auto:
-        return _refuse(f"--compile-workers-wait: {auto[0]} {WAIT_WITH_AUTO}")
+    if args.compile_workers_wait:
+        refusal = wait_refusal(
+            args.compile_workers, auto[0] if auto else None, "--compile-workers-wait", "--compile-workers"
+        )
+        if refusal:
+            return _refuse(refusal)
     refusal = _sd_scripts_option_refusal(args, specs) or _vram_cap_refusal(args, device)
     if not refusal and (args.gpu_like or args.gpu_sms):
         flag = "--gpu-like" if args.gpu_like else "--gpu-sms"

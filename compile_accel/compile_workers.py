@@ -430,11 +430,18 @@ def wait() -> int:
     return waiting
 
 
-# Why waiting at the first step (wait_and_load) is refused with activation_memory_budget="auto".
-WAIT_WITH_AUTO = (
-    "measures its candidates in the steps after the first, each once its graphs are back from the workers: "
-    "the steps until it has chosen run uncompiled whether the first step waits or not"
-)
+def wait_refusal(workers: int | None, auto: str | None, wait_flag: str, workers_flag: str) -> str | None:
+    """Why the first step cannot wait for the compile workers (`wait_and_load`) as `wait_flag`
+    asks, or None: the rule the bench and the launcher share. `workers`: how many were asked for;
+    `auto`: the name of the run's activation_memory_budget="auto", where it asks for it."""
+    if not workers:
+        return f"{wait_flag} waits for the compile workers: give {workers_flag} N too"
+    if auto:
+        return (
+            f"{wait_flag}: {auto} measures its candidates in the steps after the first, each once its graphs are "
+            "back from the workers: the steps until it has chosen run uncompiled whether the first step waits or not"
+        )
+    return None
 
 
 def wait_and_load() -> int:

@@ -416,10 +416,12 @@ def config_from_args(args: argparse.Namespace) -> CompileConfig | None:
         )
     if getattr(args, "deepspeed", False):
         raise LaunchError(f"{asked} does not support --deepspeed (its model wrapper hides the blocks)")
-    if args.compile_workers_wait and not args.compile_workers:
-        raise LaunchError("--compile_workers_wait waits for the compile workers: give --compile_workers N too")
-    if args.compile_workers_wait and budget == "auto":
-        raise LaunchError(f"--compile_workers_wait: --activation_memory_budget auto {compile_workers.WAIT_WITH_AUTO}")
+    if args.compile_workers_wait:
+        auto = "--activation_memory_budget auto" if budget == "auto" else None
+        flags = ("--compile_workers_wait", "--compile_workers")
+        refusal = compile_workers.wait_refusal(args.compile_workers, auto, *flags)
+        if refusal:
+            raise LaunchError(refusal)
     if args.compile_workers and not compile_workers.SUPPORTED:
         raise LaunchError(
             f"--compile_workers {compile_workers.UNSUPPORTED_WHY} (this is torch {torch.__version__} on "
