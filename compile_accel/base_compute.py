@@ -4,8 +4,8 @@ A LoRA step needs two products of a frozen Linear's weight W (out x in): the for
 the input gradient dX = dY·W; the weight's own gradient is never computed. Both run as int8 x int8
 products with int32 accumulation and symmetric scales that factor out of the sum:
 
-- forward: X per row (token), quantized at each call; W per output channel (its rows);
-- backward: dY per row at each call; W per input channel (the rows of Wᵀ): a second copy.
+- forward: X per row (token); W per output channel (its rows);
+- backward: dY per row; W per input channel (the rows of Wᵀ).
 
 The weight is quantized at each call, in the same graph: a kept copy per orientation would add
 one byte per base weight element twice over (5 GiB for Lumina 2, which then no longer fits 24 GiB
@@ -18,11 +18,11 @@ frozen nn.Linear of that region (`rewrite_base_linears`): a plain Linear, the ba
 LoRA calls through its saved `org_forward`, peft's `base_layer`, all of which reach F.linear with
 that weight. The call becomes `int8_linear` before AOTAutograd, so every compile path (in this
 process, compile workers, precompile, auto's traced step) gets the same graph, and the LoRA path,
-trainable, stays in its dtype. In it the activations (forward) and the output gradients
-(backward) are quantized with torch ops the compiler fuses into the kernels around them; the
-products run in `compile_accel::int8_base_matmul`, one kernel with the scales applied
-(compile_accel.int8_matmul). A call whose layer cannot run in int8 stays as it was, and the reason is recorded
-(`BaseLinears.summary`, in `stats()["base_compute"]`).
+trainable, stays in its dtype. In it the activations (forward), the output gradients (backward)
+and the weight are quantized with torch ops the compiler fuses into the kernels around them; the
+products run in `compile_accel::scaled_int8_mm`, one kernel with the scales applied
+(compile_accel.int8_matmul). A call whose layer cannot run in int8 stays as it was, and the
+reason is recorded (`BaseLinears.summary`, in `stats()["base_compute"]`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import torch.fx
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import int8_matmul
+from . import int8, int8_matmul
 from .int8 import quantize_int8
 from .int8_matmul import scaled_int8_mm
 from .selective import RegionSpec, is_excluded
@@ -105,7 +105,7 @@ def _implementation_hash() -> str:
     """A hash of the code int8_linear runs (or of compile_accel's version, where no source is
     installed)."""
     try:
-        source = "".join(inspect.getsource(sys.modules[name]) for name in (__name__, int8_matmul.__name__))
+        source = "".join(inspect.getsource(module) for module in (sys.modules[__name__], int8, int8_matmul))
     except (OSError, TypeError):
         source = importlib.metadata.version("compile_accel")
     return hashlib.sha256(source.encode()).hexdigest()[:16]
