@@ -39,9 +39,12 @@ def _scaled_int8_mm(
     sizes on an H200 restricted to a 4090's 24 SMs (profiled 2026-11-28)."""
     a, b = a.contiguous(), b.contiguous()
     kernel = _kernel() if a.is_cuda else None
-    if kernel is None:
-        return _torch_scaled_int8_mm(a, a_scale, b, b_scale, bias, out_dtype)
     m, k = a.shape
+    if kernel is None:  # torch._int_mm, then the scales and bias as torch ops
+        if a.is_cuda and m < CUDA_INT_MM_MIN_ROWS:  # zero rows, dropped below
+            a = torch.nn.functional.pad(a, (0, 0, 0, CUDA_INT_MM_MIN_ROWS - m))
+        products = torch._int_mm(a, b.t())[:m].float() * a_scale[:, None] * b_scale[None, :]
+        return (products if bias is None else products + bias.float()).to(out_dtype)
     n = b.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     grid = lambda meta: (_cdiv(m, meta["BLOCK_M"]) * _cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
@@ -64,23 +67,6 @@ finally:
 
 def _cdiv(x: int, y: int) -> int:
     return -(-x // y)
-
-
-def _torch_scaled_int8_mm(
-    a: torch.Tensor,
-    a_scale: torch.Tensor,
-    b: torch.Tensor,
-    b_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    m = a.shape[0]
-    if a.is_cuda and m < CUDA_INT_MM_MIN_ROWS:  # zero rows, dropped below
-        a = torch.nn.functional.pad(a, (0, 0, 0, CUDA_INT_MM_MIN_ROWS - m))
-    out = torch._int_mm(a, b.t())[:m].float() * a_scale[:, None] * b_scale[None, :]
-    if bias is not None:
-        out += bias.float()
-    return out.to(out_dtype)
 
 
 # Tiles for Ada and Hopper with int8 operands.
