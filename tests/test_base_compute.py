@@ -75,6 +75,34 @@ def test_gpus_without_the_matmuls_are_refused(
     assert base_compute.base_compute_refusal(compute, {torch.device("cuda", 0)}) == refusal
 
 
+def _fake(*shape: int, device: str = "cuda", dynamic: bool = False) -> torch.Tensor:
+    """A tensor as dynamo traces it (no GPU needed); its sizes symbolic when `dynamic`."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    if dynamic:
+        context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * len(shape))
+        return mode.from_tensor(torch.empty(shape, device="meta"), symbolic_context=context)
+    return FakeTensor(mode, torch.empty(shape, device="meta"), torch.device(device))
+
+
+@pytest.mark.parametrize(
+    "x, weight, why",
+    [
+        (_fake(2, 512, 64), _fake(32, 64), None),
+        (_fake(2, 512, 64, dynamic=True), _fake(32, 64), None),
+        (_fake(2, 511, 64), _fake(32, 64), "input rows 1022: on CUDA int8 gains from 1024 rows on"),
+        (_fake(2, 1, 64, dynamic=True), _fake(32, 64), "input rows 2: on CUDA int8 gains from 1024 rows on"),
+        (_fake(4096, 64), _fake(36, 64), "weight (36, 64): torch._int_mm on CUDA needs both sizes multiples of 8"),
+        (_fake(1, 60, device="cpu"), _fake(36, 60, device="cpu"), None),  # every size on the CPU
+    ],
+)
+def test_what_stays_out_of_int8_on_cuda(x: torch.Tensor, weight: torch.Tensor, why: str | None) -> None:
+    reason = base_compute._why_not_int8(x, weight, None)
+    assert reason == why if why is None else reason.startswith(why)
+
+
 def _inputs(model: nn.Module, height: int, width: int, text: int) -> tuple[torch.Tensor, ...]:
     latents, t, txt, mask = make_inputs(model.config, res=height, text_len=text)
     return torch.randn(*latents.shape[:2], height, width), t, txt, mask
