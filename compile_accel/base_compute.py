@@ -149,6 +149,8 @@ class BaseLinears:
     layers: dict[str, tuple[type, str, nn.Linear]] = field(default_factory=dict)  # name -> (class, path, layer)
     roles: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)  # weight -> (class, path)
     outcomes: dict[tuple, str] = field(default_factory=dict)  # layer key -> INT8 or why not
+    # region class name -> compile_accel.base_compute_probe.compare_compute's result
+    accuracy: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
     def find(cls, compute: str, specs: list[RegionSpec], exclude: list[str]) -> BaseLinears:
@@ -169,7 +171,8 @@ class BaseLinears:
 
     def summary(self) -> dict[str, Any]:
         """`compute`, `base_linears` (how many), `in_8_bits` (how many run in 8 bits in every compiled
-        graph that reached them) and `stayed` (layer name -> why it runs in its own dtype)."""
+        graph that reached them), `stayed` (layer name -> why it runs in its own dtype) and
+        `accuracy` (region class -> its first training call's comparison with its own dtype)."""
         stayed = {}
         for name, (kind, path, layer) in self.layers.items():
             outcome = self.outcomes.get(_layer_key(kind, path, layer.weight, layer.bias), NOT_TRACED)
@@ -180,6 +183,7 @@ class BaseLinears:
             "base_linears": len(self.layers),
             "in_8_bits": len(self.layers) - len(stayed),
             "stayed": stayed,
+            "accuracy": dict(self.accuracy),
         }
 
 
@@ -202,7 +206,7 @@ def _why_not_int8(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         )
     rows = _size_hint(x.numel()) // _size_hint(x.shape[-1]) if x.shape[-1] else 0
     if rows < CUDA_MIN_ROWS:
-        return f"input rows {rows}: on CUDA int8 gains from {CUDA_MIN_ROWS} rows on (the weight's quantization costs more)"
+        return f"input rows {rows}: on CUDA int8 gains from {CUDA_MIN_ROWS} rows (the weight's quantization costs more)"
     return None
 
 

@@ -32,6 +32,7 @@ import torch.nn as nn
 
 from .backend import RegionBackend
 from .base_compute import BaseLinears
+from .base_compute_probe import compare_compute
 from .checkpointing import under_saved_tensor_checkpoint
 from .saved_bytes import SavedBytesEstimate
 from .config import CUDA_GRAPH_MODES, CompileConfig
@@ -71,6 +72,7 @@ class CompiledFunction:
         # (module class, grad mode) pairs dynamo has compiled a graph for. The first call in a new
         # pair is checked for compiling none; dynamo guards both, so that call must compile one.
         self.compiled_contexts: set[tuple[type, bool]] = set()
+        self.accuracy_checked: set[type] = set()  # classes base_compute's accuracy check has run for
         self._warned_checkpoint = False
         self.precompiled = Precompiled(fn)
         # The function each call signature compiles: `fn` for the first, a copy for each other.
@@ -208,6 +210,24 @@ class CompiledFunction:
             # which makes dynamo run the entire checkpointed call eager.
             self.fail(_no_graph_reason(break_reasons), type(module))
         return out
+
+    def check_accuracy(self, region: Region, args: tuple, kwargs: dict) -> None:
+        """base_compute's accuracy check (compile_accel.base_compute_probe) at the first training
+        call of `region`'s class that runs compiled: after auto's traced step, not inside another
+        compile."""
+        kind = type(region.module)
+        if (
+            kind in self.accuracy_checked
+            or kind in self.failed_kinds
+            or not (region.module.training and torch.is_grad_enabled())
+            or self.backend.estimating
+            or torch.compiler.is_compiling()
+        ):
+            return
+        self.accuracy_checked.add(kind)
+        compiled = lambda *a, **k: self.run(region, a, k)  # noqa: E731
+        result = compare_compute(self.base_linears.compute, kind.__qualname__, compiled, region.eager, args, kwargs)
+        self.base_linears.accuracy[kind.__qualname__] = result
 
     def precompile_budget(self) -> float | None | bool:
         """The budget graphs compiled now are precompiled for (compile_accel.precompile); False
@@ -476,4 +496,7 @@ class Region:
             self.check_outer_checkpoint = under is None
             if under:
                 shared.note_still_checkpointed([self.name], "called inside torch.utils.checkpoint")
-        return shared.run(self, args, kwargs)
+        out = shared.run(self, args, kwargs)
+        if shared.base_linears is not None:
+            shared.check_accuracy(self, args, kwargs)
+        return out

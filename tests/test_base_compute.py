@@ -92,8 +92,8 @@ def _fake(*shape: int, device: str = "cuda", dynamic: bool = False) -> torch.Ten
     [
         (_fake(2, 512, 64), _fake(32, 64), None),
         (_fake(2, 512, 64, dynamic=True), _fake(32, 64), None),
-        (_fake(2, 511, 64), _fake(32, 64), "input rows 1022: on CUDA int8 gains from 1024 rows on"),
-        (_fake(2, 1, 64, dynamic=True), _fake(32, 64), "input rows 2: on CUDA int8 gains from 1024 rows on"),
+        (_fake(2, 511, 64), _fake(32, 64), "input rows 1022: on CUDA int8 gains from 1024 rows"),
+        (_fake(2, 1, 64, dynamic=True), _fake(32, 64), "input rows 2: on CUDA int8 gains from 1024 rows"),
         (_fake(4096, 64), _fake(36, 64), "weight (36, 64): torch._int_mm on CUDA needs both sizes multiples of 8"),
         (_fake(1, 60, device="cpu"), _fake(36, 60, device="cpu"), None),  # every size on the CPU
     ],
@@ -154,7 +154,13 @@ def test_kohya_dit_blocks_in_int8_match_eager_across_shapes_and_remove_restores_
         blocks[0].linear1.weight.mul_(2)  # back, exactly (powers of two)
     stats = acceleration.stats()
     assert (stats["graph_breaks"], stats["recompiles"], stats["fallbacks"]) == (0, 0, [])
-    assert stats["base_compute"] == {"compute": "int8", "base_linears": 12, "in_8_bits": 12, "stayed": {}}
+    assert stats["base_compute"] == {
+        "compute": "int8",
+        "base_linears": 12,
+        "in_8_bits": 12,
+        "stayed": {},
+        "accuracy": {"SingleStreamBlock": stats["base_compute"]["accuracy"]["SingleStreamBlock"]},
+    }
 
     acceleration.remove()
     assert torch.equal(model(*inputs), expected_out)
@@ -216,12 +222,47 @@ def test_peft_base_layers_in_int8_and_a_trainable_bias_stays(case: str) -> None:
     assert min(cosines) >= MIN_COSINE, cosines
     stats = acceleration.stats()
     assert (stats["graph_breaks"], stats["recompiles"], stats["fallbacks"]) == (0, 0, [])
+    kind = "Linear" if case == "selective" else PEFT_CASES[case].__name__
     assert stats["base_compute"] == {
         "compute": "int8",
         "base_linears": 4,
         "in_8_bits": 3,
         "stayed": {"blocks.1.fc2.base_layer": "its bias is trainable"},
+        "accuracy": {kind: stats["base_compute"]["accuracy"][kind]},  # (its figures: the test above)
     }
+    acceleration.remove()
+
+
+def test_the_first_training_call_of_a_class_compares_it_with_its_own_dtype_and_leaves_the_step_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The accuracy check (compile_accel.base_compute_probe): once per block class, inside the
+    blocks' own non-reentrant checkpoint; its figure is the block's own error; the step's
+    gradients are those of a step without it; a warning past the bar."""
+    from compile_accel import base_compute_probe
+
+    torch.manual_seed(torch.seed())
+    model, params = _peft_mlp(_CheckpointedMLPBlock)
+    x = torch.randn(2, 24, 32)
+    first_block = model.blocks[0]
+    with torch.no_grad():
+        expected = first_block(x)
+    monkeypatch.setitem(base_compute_probe.MAX_OUTPUT_ERROR, "int8", 1e-9)  # every block past the bar
+    config = CompileConfig(mode="blocks", base_compute="int8", backend="aot_eager")  # (as in the peft test)
+    acceleration = compile_accel.apply(model, config, blocks=["blocks"])
+    with pytest.warns(RuntimeWarning, match="_CheckpointedMLPBlock's output is .* leave the block out"):
+        _, checked_grads = lora_step(model, params, (x,))
+    _, grads = lora_step(model, params, (x,))  # no check: the class has had it
+    assert all(torch.equal(a, b) for a, b in zip(checked_grads, grads, strict=True))
+
+    accuracy = acceleration.stats()["base_compute"]["accuracy"]
+    assert list(accuracy) == ["_CheckpointedMLPBlock"]
+    check = accuracy["_CheckpointedMLPBlock"]
+    assert check["gradients"] == 4  # the first block's: LoRA A and B of fc1 and of fc2
+    assert 0 < check["output_error"] <= MAX_ERROR and MIN_COSINE <= check["min_gradient_cosine"] <= 1
+    with torch.enable_grad():
+        compiled = first_block(x.clone().requires_grad_(True))
+    assert check["output_error"] == pytest.approx(relative_error(compiled, expected), rel=1e-4)
     acceleration.remove()
 
 

@@ -1,0 +1,117 @@
+"""base_compute's accuracy check: once per block class, 8-bit compute against the class's own.
+
+At the first training call of each compiled region class, the region runs once more, compiled
+(its base Linears in 8 bits), and once eagerly (its own dtype), on copies of that call's inputs,
+each followed by a backward of the same random output gradient. The output's relative error
+(Frobenius) and the LoRA gradients' cosine similarity go to the log and to
+`stats()["base_compute"]["accuracy"]`; a warning when they pass the issue's bars. Neither run
+touches the step: no `.grad` is written (`torch.autograd.grad`), the random state is restored,
+and the model's checkpoint, if any, sees none of their saved tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .stats import warn
+
+logger = logging.getLogger("compile_accel")
+
+# The bars of 8-bit compute (docs/behaviour.md): a block's output within this relative error of
+# its own dtype's, and every LoRA gradient at least this cosine-similar.
+MAX_OUTPUT_ERROR = {"int8": 0.02, "fp8": 0.04}
+MIN_GRADIENT_COSINE = 0.99
+
+
+def compare_compute(
+    compute: str, name: str, compiled: Callable[..., Any], eager: Callable[..., Any], args: tuple, kwargs: dict
+) -> dict[str, Any]:
+    """Run `compiled` and `eager` (the region named `name`) on copies of `args`/`kwargs` and
+    compare: {"output_error", "min_gradient_cosine" (None without trainable parameters),
+    "gradients"}, or {"skipped": why}. Logs the figures; warns above the bars of `compute`."""
+    devices = {t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+    try:
+        # Identity hooks: a checkpoint's saved-tensor hooks, active around this call, must not see
+        # these runs' tensors.
+        with torch.random.fork_rng([d for d in devices if d.type == "cuda"]), torch.enable_grad():
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                expected, expected_gradients = _output_and_gradients(eager, args, kwargs, None)
+                output, gradients = _output_and_gradients(compiled, args, kwargs, list(expected_gradients))
+    except torch.OutOfMemoryError:
+        warn(f"base_compute: {name}'s accuracy check was skipped: no GPU memory for one more forward and backward")
+        return {"skipped": "out of GPU memory"}
+    error = (_norm([o - e for o, e in zip(output, expected)]) / _norm(expected).clamp_min(1e-30)).item()
+    cosines = [
+        torch.nn.functional.cosine_similarity(g.flatten().float(), e.flatten().float(), dim=0).item()
+        for g, e in zip(gradients.values(), expected_gradients.values())
+    ]
+    cosine = min(cosines, default=None)
+    logger.info(
+        "base_compute=%s, %s: output %.3f%% off its own dtype's; LoRA gradients' cosine similarity %s",
+        compute,
+        name,
+        100 * error,
+        "(none trains)" if cosine is None else f">= {cosine:.5f} ({len(cosines)})",
+    )
+    if error > MAX_OUTPUT_ERROR[compute] or (cosine is not None and cosine < MIN_GRADIENT_COSINE):
+        warn(
+            f"base_compute={compute!r}: {name}'s output is {100 * error:.2f}% off its own dtype's (bar "
+            f"{100 * MAX_OUTPUT_ERROR[compute]:g}%) and its LoRA gradients' cosine similarity is {cosine} "
+            f"(bar {MIN_GRADIENT_COSINE}); training may differ: leave the block out of 8-bit compute "
+            "(CompileConfig.exclude) or train without base_compute"
+        )
+    return {"output_error": error, "min_gradient_cosine": cosine, "gradients": len(cosines)}
+
+
+def _output_and_gradients(
+    call: Callable[..., Any], args: tuple, kwargs: dict, parameters: list[nn.Parameter] | None
+) -> tuple[list[torch.Tensor], dict[nn.Parameter, torch.Tensor]]:
+    """The floating outputs of `call` on fresh copies of the inputs, and the gradients of
+    `parameters` (None: the trainable ones the outputs reach) for an output gradient drawn
+    from a fixed seed."""
+    args, kwargs = tree_map(_copy, (args, kwargs))
+    outputs = [t for t in tree_flatten(call(*args, **kwargs))[0] if isinstance(t, torch.Tensor)]
+    outputs = [t for t in outputs if t.is_floating_point()]
+    if parameters is None:
+        parameters = _trainable_parameters(outputs)
+    differentiable = [t for t in outputs if t.requires_grad]
+    gradients: tuple[torch.Tensor, ...] = ()
+    if parameters and differentiable:
+        generator = torch.Generator().manual_seed(0)
+        cotangents = [torch.randn(t.shape, generator=generator).to(t) for t in differentiable]
+        gradients = torch.autograd.grad(
+            differentiable, parameters, cotangents, allow_unused=True, materialize_grads=True
+        )
+    return [t.detach() for t in outputs], dict(zip(parameters, gradients))
+
+
+def _copy(value: Any) -> Any:
+    """An input as a region gets it in training: floating tensors requiring grad."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    copy = value.detach().clone()
+    return copy.requires_grad_(True) if copy.is_floating_point() else copy
+
+
+def _trainable_parameters(outputs: list[torch.Tensor]) -> list[nn.Parameter]:
+    """The parameters requiring grad that `outputs`' autograd graph accumulates into."""
+    found, seen, stack = [], set(), [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node
+        if isinstance(variable, nn.Parameter):
+            found.append(variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([t.float().norm() for t in tensors]).norm()
