@@ -7,8 +7,10 @@
 The script runs as `__main__` (runpy) after these functions are wrapped in memory:
 
 - `library.train_util.add_training_arguments`, which every training script calls to build its
-  parser: the compile flags are added there (so `--help` lists them), and that parser's
-  `parse_known_args` checks them, also when `--config_file` re-parses with the file's values.
+  parser: that parser's `parse_known_args` adds the compile flags at its first call, after the
+  script's own (so `--help` lists them, and sd-scripts' own `--compile*` flags, where the script
+  has them, are known: see `add_arguments`), and checks them at every call, also when
+  `--config_file` re-parses with the file's values.
 - `accelerate.Accelerator.prepare`, which every trainer calls on the DiT/U-Net after LoRA's
   `apply_to` and `enable_gradient_checkpointing` and before the first step (it is where
   sd-scripts' own `--torch_compile` compiles): the first sd-scripts model passed to it is
@@ -295,8 +297,29 @@ WORKERS_HINT_SECONDS = 20.0
 PRECOMPILE_WAIT_SECONDS = 60.0
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the compile_accel flags to an sd-scripts parser."""
+# sd-scripts' own per-block compile (Anima's, library/compile_utils.py after the sd3 branch):
+# --compile turns it on; the others configure it. --compile_dynamic is also ours, with the same
+# values and meaning: where the script defines it, both compilers read the script's flag.
+SD_SCRIPTS_COMPILE = "--compile"
+SD_SCRIPTS_COMPILE_SETTINGS = (
+    "--compile_backend",
+    "--compile_mode",
+    "--compile_fullgraph",
+    "--compile_cache_size_limit",
+)
+SHARED_FLAGS = ("--compile_dynamic",)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """Add the compile_accel flags to an sd-scripts parser, after the script's own; returns the
+    flags of sd-scripts' own compile that the parser has, with their defaults (`config_from_args`
+    takes them)."""
+    defined = parser._option_string_actions  # argparse's table of option strings
+    theirs = {
+        flag: defined[flag].default
+        for flag in (SD_SCRIPTS_COMPILE, *SD_SCRIPTS_COMPILE_SETTINGS, *SHARED_FLAGS)
+        if flag in defined
+    }
     group = parser.add_argument_group("compile_accel (per-block torch.compile)")
     try:
         group.add_argument(
@@ -330,13 +353,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "($COMPILE_ACCEL_CACHE_DIR, default ~/.cache/compile_accel/compiled), from which the next run of the same "
             "training loads them instead of compiling",
         )
-        group.add_argument(
-            "--compile_dynamic",
-            choices=sorted(_DYNAMIC),
-            default="auto",
-            help="true: one graph for all aspect-ratio buckets (symbolic shapes); false: one graph per shape; "
-            "auto: static first, dynamic on the first new shape (default)",
-        )
+        if "--compile_dynamic" not in theirs:
+            group.add_argument(
+                "--compile_dynamic",
+                choices=sorted(_DYNAMIC),
+                default="auto",
+                help="true: one graph for all aspect-ratio buckets (symbolic shapes); false: one graph per shape; "
+                "auto: static first, dynamic on the first new shape (default)",
+            )
         group.add_argument(
             "--compile_recompile_limit",
             type=_positive_int,
@@ -381,16 +405,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             f"this sd-scripts already defines {error.argument_name}: it has compile flags of its own that the "
             "compile_accel launcher would shadow; run the script without the launcher"
         ) from None
+    return theirs
 
 
-def config_from_args(args: argparse.Namespace) -> CompileConfig | None:
-    """The CompileConfig the flags ask for, None for none; LaunchError for combinations that cannot work."""
+def config_from_args(args: argparse.Namespace, theirs: dict[str, Any] | None = None) -> CompileConfig | None:
+    """The CompileConfig the flags ask for, None for none; LaunchError for combinations that cannot
+    work. `theirs`: the flags of sd-scripts' own compile the script defines, with their defaults
+    (`add_arguments`)."""
+    theirs = theirs or {}
     budget, selective = args.activation_memory_budget, args.selective_torch_compile
+    dynamic = "auto" if args.compile_dynamic is None else args.compile_dynamic  # (None: sd-scripts' default)
+    if dynamic not in _DYNAMIC:
+        raise LaunchError(f"--compile_dynamic {dynamic}: compile_accel takes {', '.join(sorted(_DYNAMIC))}")
     if args.vram_limit_gib is not None and budget != "auto":
         raise LaunchError("--vram_limit_gib is the limit of --activation_memory_budget auto; give that too")
     if budget is None and not selective:
         if (
-            args.compile_dynamic != "auto"
+            (dynamic != "auto" and "--compile_dynamic" not in theirs)
             or args.compile_recompile_limit != CompileConfig.recompile_limit
             or args.no_compile_cache
             or args.compile_workers
@@ -416,6 +447,13 @@ def config_from_args(args: argparse.Namespace) -> CompileConfig | None:
         )
     if getattr(args, "deepspeed", False):
         raise LaunchError(f"{asked} does not support --deepspeed (its model wrapper hides the blocks)")
+    for flag in SD_SCRIPTS_COMPILE_SETTINGS:
+        dest = flag.removeprefix("--")
+        if flag in theirs and getattr(args, dest) != theirs[flag]:
+            raise LaunchError(
+                f"{flag} configures sd-scripts' own --compile, which {asked} replaces on the blocks it compiles; "
+                f"drop {flag}"
+            )
     if args.compile_workers_wait:
         auto = "--activation_memory_budget auto" if budget == "auto" else None
         flags = ("--compile_workers_wait", "--compile_workers")
@@ -433,7 +471,7 @@ def config_from_args(args: argparse.Namespace) -> CompileConfig | None:
         mode="blocks" if budget is not None else "selective",
         activation_memory_budget=budget,
         vram_limit_gib=args.vram_limit_gib,
-        dynamic=_DYNAMIC[args.compile_dynamic],
+        dynamic=_DYNAMIC[dynamic],
         recompile_limit=args.compile_recompile_limit,
         compile_workers=args.compile_workers or 0,
     )
@@ -484,15 +522,23 @@ class Launch:
         self._resave_after: int | None = None
 
     def watch(self, parser: argparse.ArgumentParser) -> None:
-        """Check the flags after every parse of `parser` (the command line, then --config_file's)."""
+        """Add the compile flags to `parser` at its first parse, when the script has added its own,
+        and check them after every parse (the command line, then --config_file's)."""
         parse_known_args = parser.parse_known_args
+        theirs: dict[str, Any] | None = None  # sd-scripts' own compile flags (add_arguments)
 
         def checked(*args: Any, **kwargs: Any) -> tuple[argparse.Namespace, list[str]]:
+            nonlocal theirs
+            if theirs is None:
+                theirs = add_arguments(parser)
             namespace, rest = parse_known_args(*args, **kwargs)
             try:
-                self.config = config_from_args(namespace)
+                self.config = config_from_args(namespace, theirs)
             except LaunchError as error:
                 parser.error(str(error))
+            if self.config is not None and getattr(namespace, "compile", False) and SD_SCRIPTS_COMPILE in theirs:
+                namespace.compile = False  # never two compilers on one block
+                _say(f"sd-scripts' own --compile is off: compile_accel compiles the blocks ({self.config.mode} mode)")
             self.args = namespace
             if self.config is not None:
                 # The script's own set-up (weights, latents, text encoders) runs beside the
@@ -668,7 +714,6 @@ def _install_hooks(launch: Launch) -> None:
 
     def add_training_arguments_and_ours(parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
         add_training_arguments(parser, *args, **kwargs)
-        add_arguments(parser)
         launch.watch(parser)
 
     def prepare_accelerated(accelerator: Accelerator, *args: Any, **kwargs: Any) -> Any:

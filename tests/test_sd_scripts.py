@@ -200,6 +200,102 @@ def test_not_a_checkout_names_what_was_looked_for(tmp_path: Path) -> None:
     assert "is not an sd-scripts checkout (looked for library/train_util.py)" in proc.stderr
 
 
+# A trainer with sd-scripts' own per-block compile flags (Anima's after the sd3 branch), added
+# after add_training_arguments as its trainer adds them; --compile compiles each block itself.
+OWN_COMPILE_SCRIPT = """
+import argparse, json
+import torch
+from accelerate import Accelerator
+from library import model, train_util
+
+parser = argparse.ArgumentParser()
+train_util.add_training_arguments(parser, True)
+parser.add_argument("--compile", action="store_true")
+parser.add_argument("--compile_backend", default="inductor")
+parser.add_argument("--compile_mode", default="default")
+parser.add_argument("--compile_dynamic", choices=["true", "false", "auto"], default=None)
+parser.add_argument("--compile_fullgraph", action="store_true")
+parser.add_argument("--compile_cache_size_limit", type=int, default=None)
+args = parser.parse_args()
+net = model.Model()
+Accelerator(cpu=True).prepare(net)
+ours = any(type(m.__dict__.get("forward")).__name__ == "Region" for m in net.modules())
+if args.compile:
+    net.blocks = torch.nn.ModuleList(torch.compile(block) for block in net.blocks)
+print(json.dumps({"ours": ours, "theirs": args.compile, "dynamic": args.compile_dynamic}))
+"""
+
+
+def test_sd_scripts_own_compile_is_turned_off_where_ours_compiles(checkout: Path) -> None:
+    (checkout / "own.py").write_text(OWN_COMPILE_SCRIPT)
+    own_and_ours = ["--compile", "--compile_dynamic", "true", "--activation_memory_budget", "0.5"]
+    proc = _launch(str(checkout / "own.py"), *own_and_ours)
+    assert _result(proc) == {"ours": True, "theirs": False, "dynamic": "true"}
+    assert "sd-scripts' own --compile is off: compile_accel compiles the blocks (blocks mode)" in proc.stderr
+
+
+def _own_compile_parser() -> tuple[argparse.ArgumentParser, accel.Launch]:
+    """A parser with sd-scripts' own compile flags, watched by a launch as the launcher does."""
+    parser = argparse.ArgumentParser(prog="own.py")
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--compile_mode", default="default")
+    parser.add_argument("--compile_fullgraph", action="store_true")
+    parser.add_argument("--compile_cache_size_limit", type=int, default=None)
+    parser.add_argument("--compile_dynamic", choices=["true", "false", "auto"], default=None)
+    launch = accel.Launch()
+    launch.watch(parser)
+    return parser, launch
+
+
+@pytest.mark.parametrize(
+    "argv, compiles, theirs",
+    [
+        (["--compile", "--compile_dynamic", "true"], False, True),  # theirs alone: as without the launcher
+        (["--selective_torch_compile"], True, False),
+        (["--compile", "--selective_torch_compile"], True, False),
+    ],
+)
+def test_sd_scripts_own_compile_stays_on_only_without_ours(argv: list[str], compiles: bool, theirs: bool) -> None:
+    parser, launch = _own_compile_parser()
+    args = parser.parse_args(argv)
+    assert (launch.config is not None, args.compile) == (compiles, theirs)
+    assert "--activation_memory_budget" in parser.format_help()  # ours added at the first parse
+    assert parser.format_help().count("\n  --compile_dynamic ") == 1  # once: the script's, read by both
+
+
+@pytest.mark.parametrize(
+    "flag", [["--compile_mode", "max-autotune"], ["--compile_fullgraph"], ["--compile_cache_size_limit", "32"]]
+)
+def test_sd_scripts_own_compile_settings_with_ours_are_an_argparse_error_naming_the_flag(
+    flag: list[str], capsys: pytest.CaptureFixture
+) -> None:
+    parser, _ = _own_compile_parser()
+    with pytest.raises(SystemExit) as exit:
+        parser.parse_args(["--activation_memory_budget", "0.5", *flag])
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"own.py: error: {flag[0]} configures sd-scripts' own --compile, which --activation_memory_budget "
+        f"replaces on the blocks it compiles; drop {flag[0]}"
+    )
+
+
+def test_a_scripts_own_compile_dynamic_sets_ours_and_alone_asks_nothing_of_ours() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--compile_dynamic", choices=["true", "false", "auto"], default=None)
+    theirs = accel.add_arguments(parser)
+    assert theirs == {"--compile": False, "--compile_dynamic": None}
+
+    def config(*argv: str) -> CompileConfig | None:
+        return accel.config_from_args(parser.parse_args(list(argv)), theirs)
+
+    assert config("--activation_memory_budget", "0.5", "--compile_dynamic", "true").dynamic is True
+    assert config("--activation_memory_budget", "0.5").dynamic is None  # their default: ours, auto
+    assert config("--compile", "--compile_dynamic", "false") is None
+    with pytest.raises(accel.LaunchError, match="need --selective_torch_compile or --activation_memory_budget"):
+        accel.config_from_args(_parse("--compile_dynamic", "true"))  # ours alone still asks
+
+
 # ---- flag semantics, in process -------------------------------------------------------------
 
 
@@ -609,8 +705,7 @@ def test_the_launcher_starts_the_workers_at_the_parse_that_asks_and_stops_them_a
     monkeypatch.setattr(compile_workers, "stop", lambda: calls.append(("stop",)))
     monkeypatch.setattr(accel, "start_preloading", lambda: None)
     parser = argparse.ArgumentParser()
-    accel.add_arguments(parser)
-    accel.Launch().watch(parser)
+    accel.Launch().watch(parser)  # (which adds the flags at the first parse)
     parser.parse_known_args(["--selective_torch_compile", "--compile_workers", "2"])  # the command line
     parser.parse_known_args([])  # a --config_file's parse that compiles nothing
     assert calls == [("start", 2), ("stop",)]
