@@ -570,7 +570,7 @@ class Launch:
         try:
             self.acceleration = apply(model, self.config)
         except UnknownLayout as error:  # this checkout's models are not the ones the launcher knows
-            raise LaunchError(f"unknown sd-scripts layout: {error}") from None
+            raise unknown_layout(str(error)) from None
         if HAS_CACHE_ARTIFACTS and not self.args.no_compile_cache:
             self.compile_cache = RunCompileCache(model, self.acceleration.signature, self.acceleration)
             self.acceleration.on_remove(self.compile_cache.remove)
@@ -698,14 +698,26 @@ class Launch:
         _say(", ".join(f"{k}={stats[k]:.1f}" if k == "compile_seconds" else f"{k}={stats[k]}" for k in keys))
 
 
+# The sd-scripts the launcher is tested against (.ci/e2e pins it).
+KNOWN_TO_WORK = "the sd3 branch at 3265f2ed (2026-02-16)"
+
+
+def unknown_layout(what: str) -> LaunchError:
+    """The error that stops a launch, before training, at a checkout whose hook points differ."""
+    return LaunchError(
+        f"unknown sd-scripts layout: {what}. Nothing was trained; the launcher is known to work with sd-scripts' "
+        f"{KNOWN_TO_WORK}"
+    )
+
+
 def _install_hooks(launch: Launch) -> None:
     """Wrap add_training_arguments, Accelerator.prepare and Accelerator.backward (see the module docstring)."""
     try:
         from library import train_util
     except ImportError as error:
-        raise LaunchError(f"unknown sd-scripts layout: cannot import library.train_util ({error})") from None
+        raise unknown_layout(f"cannot import library.train_util ({error})") from None
     if not hasattr(train_util, "add_training_arguments"):
-        raise LaunchError("unknown sd-scripts layout: library/train_util.py has no add_training_arguments")
+        raise unknown_layout("library/train_util.py has no add_training_arguments")
     from accelerate import Accelerator
 
     add_training_arguments = train_util.add_training_arguments

@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -490,6 +491,23 @@ def test_a_known_class_without_its_block_lists_is_an_unknown_layout_before_anyth
     with pytest.raises(accel.LaunchError, match="unknown sd-scripts layout: NextDiT has no ModuleList matching"):
         launch.accelerate(nextdit, torch.device("cpu"))
     assert "_compile_accel" not in vars(nextdit)
+
+
+def test_a_checkout_without_the_parser_hook_stops_before_training_naming_it_and_what_works(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    train_util = types.ModuleType("library.train_util")  # a newer layout: the function moved
+    library = types.ModuleType("library")
+    library.train_util = train_util
+    monkeypatch.setitem(sys.modules, "library", library)
+    monkeypatch.setitem(sys.modules, "library.train_util", train_util)
+    with pytest.raises(accel.LaunchError) as refusal:
+        accel._install_hooks(accel.Launch())
+    assert str(refusal.value) == (
+        "unknown sd-scripts layout: library/train_util.py has no add_training_arguments. Nothing was trained; the "
+        f"launcher is known to work with sd-scripts' {accel.KNOWN_TO_WORK}"
+    )
+    assert "3265f2ed" in accel.KNOWN_TO_WORK and "3265f2ed" in (Path(__file__).parents[1] / ".ci" / "e2e").read_text()
 
 
 @pytest.mark.skipif(not HAS_CACHE_ARTIFACTS, reason="torch without cache artifacts")
