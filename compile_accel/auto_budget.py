@@ -69,6 +69,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from . import compile_workers
+from .autograd_graph import accumulating_leaves
 from .cache_files import cache_dir, run_inputs, run_key, write_atomically
 from .memory import SavedActivationMeter
 from .saved_bytes import SavedBytesEstimate
@@ -274,21 +275,6 @@ def _measure(
     if compile_workers.pending():
         run()
     return _run_once(run, device, parameters, reserved)
-
-
-def _accumulating_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
-    """The leaf tensors whose .grad a backward from `loss` would accumulate into."""
-    seen, stack, leaves = set(), [loss.grad_fn], []
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf
-        if variable is not None:
-            leaves.append(variable)
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return leaves
 
 
 # (run, device, parameters) -> seconds, peak bytes; with CUDA graphs also called with reserved=True.
@@ -553,7 +539,7 @@ class AutoBudget:
             loss = sum(t.float().square().mean() for t in outputs)
             # Every tensor backward accumulates into, found from the graph: kohya-style LoRA
             # weights are not parameters of the model.
-            leaves = _accumulating_leaves(loss)
+            leaves = accumulating_leaves(loss)
             saved = [None if t.grad is None else t.grad.clone() for t in leaves]
             try:
                 loss.backward()

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .autograd_graph import accumulating_leaves
 from .stats import warn
 
 logger = logging.getLogger("compile_accel")
@@ -78,7 +79,7 @@ def _output_and_gradients(
     outputs = [t for t in tree_flatten(call(*args, **kwargs))[0] if isinstance(t, torch.Tensor)]
     outputs = [t for t in outputs if t.is_floating_point()]
     if parameters is None:
-        parameters = _trainable_parameters(outputs)
+        parameters = [leaf for leaf in accumulating_leaves(*outputs) if isinstance(leaf, nn.Parameter)]
     differentiable = [t for t in outputs if t.requires_grad]
     gradients: tuple[torch.Tensor, ...] = ()
     if parameters and differentiable:
@@ -96,21 +97,6 @@ def _copy(value: Any) -> Any:
         return value
     copy = value.detach().clone()
     return copy.requires_grad_(True) if copy.is_floating_point() else copy
-
-
-def _trainable_parameters(outputs: list[torch.Tensor]) -> list[nn.Parameter]:
-    """The parameters requiring grad that `outputs`' autograd graph accumulates into."""
-    found, seen, stack = [], set(), [t.grad_fn for t in outputs if t.grad_fn is not None]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)  # an AccumulateGrad node
-        if isinstance(variable, nn.Parameter):
-            found.append(variable)
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return found
 
 
 def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
