@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -18,12 +17,9 @@ import torch.nn as nn
 from .auto_budget import OffloadLadder
 from .blocks import match_block_lists
 
-if TYPE_CHECKING:  # api imports this module
-    from .api import Acceleration
-
 Undo = Callable[[], None]
-# (model, device, acceleration) -> a ladder for auto to climb: see ModelAdapter.offload_ladder.
-ModelOffloadLadder = Callable[[nn.Module, torch.device, "Acceleration"], OffloadLadder]
+# (model, device, on_remove) -> a ladder for auto to climb: see ModelAdapter.offload_ladder.
+ModelOffloadLadder = Callable[[nn.Module, torch.device, Callable[[Undo], None]], OffloadLadder]
 
 
 class UnknownLayout(ValueError):
@@ -39,8 +35,9 @@ class ModelAdapter:
     prepare: rewrites the model so that its blocks compile whole (complex rotary factors in
         real arithmetic, say) and returns the undo; it runs only when something compiles.
     offload_ladder: the model's own way of keeping blocks off the GPU (sd-scripts' block swap),
-        called with (model, device, acceleration) as the ladder activation_memory_budget="auto"
-        climbs when no budget fits; None: that of a BlockOffloadConductor holding the blocks.
+        called with (model, device, on_remove: registers an undo for Acceleration.remove) as the
+        ladder activation_memory_budget="auto" climbs when no budget fits; None: that of a
+        BlockOffloadConductor holding the blocks.
     """
 
     blocks: tuple[str, ...]

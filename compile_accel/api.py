@@ -344,7 +344,7 @@ def _install(
 
         def find_ladder(device: torch.device) -> OffloadLadder | None:
             if offload_ladder is not None:
-                return offload_ladder(model, device, acceleration)
+                return offload_ladder(model, device, acceleration.on_remove)
             return offload_fraction_ladder(blocks)
 
         acceleration.auto_budget = AutoBudget(

@@ -117,7 +117,7 @@ def block_swap_ladder(most_swapped: Callable[[nn.Module], int]) -> ModelOffloadL
     accepts: blocks swapped, from what the trainer set up (--blocks_to_swap, 0 without) to that
     most, the ladder activation_memory_budget="auto" climbs when no budget fits."""
 
-    def ladder(model: nn.Module, device: torch.device, acceleration: Acceleration) -> OffloadLadder:
+    def ladder(model: nn.Module, device: torch.device, on_remove: Callable[[Undo], None]) -> OffloadLadder:
         start = model.blocks_to_swap or 0
         hooked: list[Undo] = []
 
@@ -125,7 +125,7 @@ def block_swap_ladder(most_swapped: Callable[[nn.Module], int]) -> ModelOffloadL
             _set_blocks_to_swap(model, int(count), device)
             if count and not start and not hooked:
                 hooked.append(_prepare_swap_after_no_grad_forwards(model))
-                acceleration.on_remove(hooked[0])
+                on_remove(hooked[0])
 
         levels = spaced_levels(start, max(start, most_swapped(model)), whole=True)
         return OffloadLadder("blocks_to_swap", levels, set_level)
