@@ -699,7 +699,7 @@ class Launch:
 
 
 # The sd-scripts the launcher is tested against (.ci/e2e pins it).
-KNOWN_TO_WORK = "the sd3 branch at 3265f2ed (2026-02-16)"
+KNOWN_TO_WORK = "sd3 branch at 3265f2ed (2026-02-16)"
 
 
 def unknown_layout(what: str) -> LaunchError:
