@@ -307,7 +307,7 @@ SD_SCRIPTS_COMPILE_SETTINGS = (
     "--compile_fullgraph",
     "--compile_cache_size_limit",
 )
-SHARED_FLAGS = ("--compile_dynamic",)
+SHARED_DYNAMIC = "--compile_dynamic"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> dict[str, Any]:
@@ -317,7 +317,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> dict[str, Any]:
     defined = parser._option_string_actions  # argparse's table of option strings
     theirs = {
         flag: defined[flag].default
-        for flag in (SD_SCRIPTS_COMPILE, *SD_SCRIPTS_COMPILE_SETTINGS, *SHARED_FLAGS)
+        for flag in (SD_SCRIPTS_COMPILE, *SD_SCRIPTS_COMPILE_SETTINGS, SHARED_DYNAMIC)
         if flag in defined
     }
     group = parser.add_argument_group("compile_accel (per-block torch.compile)")
@@ -353,9 +353,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> dict[str, Any]:
             "($COMPILE_ACCEL_CACHE_DIR, default ~/.cache/compile_accel/compiled), from which the next run of the same "
             "training loads them instead of compiling",
         )
-        if "--compile_dynamic" not in theirs:
+        if SHARED_DYNAMIC not in theirs:
             group.add_argument(
-                "--compile_dynamic",
+                SHARED_DYNAMIC,
                 choices=sorted(_DYNAMIC),
                 default="auto",
                 help="true: one graph for all aspect-ratio buckets (symbolic shapes); false: one graph per shape; "
@@ -421,7 +421,7 @@ def config_from_args(args: argparse.Namespace, theirs: dict[str, Any] | None = N
         raise LaunchError("--vram_limit_gib is the limit of --activation_memory_budget auto; give that too")
     if budget is None and not selective:
         if (
-            (dynamic != "auto" and "--compile_dynamic" not in theirs)
+            (dynamic != "auto" and SHARED_DYNAMIC not in theirs)
             or args.compile_recompile_limit != CompileConfig.recompile_limit
             or args.no_compile_cache
             or args.compile_workers
