@@ -1,13 +1,19 @@
-"""CompileConfig.base_compute="int8": the matmuls of frozen base weights inside compiled regions in int8.
+"""CompileConfig.base_compute="int8" | "fp8": the matmuls of frozen base weights inside compiled
+regions in 8 bits.
 
 A LoRA step needs two products of a frozen Linear's weight W (out x in): the forward Y = X·Wᵀ and
-the input gradient dX = dY·W; the weight's own gradient is never computed. Both run as int8 x int8
-products with int32 accumulation and symmetric scales that factor out of the sum:
+the input gradient dX = dY·W; the weight's own gradient is never computed. Both run as 8-bit
+products with symmetric scales that factor out of the sum:
 
 - forward: X per row (token); W per output channel (its rows);
 - backward: dY per row; W per input channel (the rows of Wᵀ).
 
-The weight is quantized at each call, in the same graph: a kept copy per orientation would add
+int8: int8 x int8 with int32 accumulation (compile_accel.int8_matmul). fp8: float8_e4m3fn x
+float8_e4m3fn with fp32 accumulation in `torch._scaled_mm`, row-wise scales; a weight stored as
+float8_e4m3fn (sd-scripts' `--fp8_base`) is multiplied as it is, with unit scales, never
+dequantized to bf16 and quantized back.
+
+A bf16 weight is quantized at each call, in the same graph: a kept copy per orientation would add
 one byte per base weight element twice over (5 GiB for Lumina 2, which then no longer fits 24 GiB
 at budget 0.5), and quantizing reads the weight once, little beside the product's work. A graph is
 shared by every block of its class, so it reads whichever weights it is given (a swapped block's
@@ -16,12 +22,13 @@ too).
 Where: RegionBackend rewrites each `linear` call in dynamo's graph of a region whose weight is a
 frozen nn.Linear of that region (`rewrite_base_linears`): a plain Linear, the base a kohya-style
 LoRA calls through its saved `org_forward`, peft's `base_layer`, all of which reach F.linear with
-that weight. The call becomes `int8_linear` before AOTAutograd, so every compile path (in this
+that weight. The call becomes `int8_linear` or `fp8_linear` before AOTAutograd, so every compile path (in this
 process, compile workers, precompile, auto's traced step) gets the same graph, and the LoRA path,
 trainable, stays in its dtype. In it the activations (forward), the output gradients (backward)
 and the weight are quantized with torch ops the compiler fuses into the kernels around them; the
-products run in `compile_accel::scaled_int8_mm`, one kernel with the scales applied
-(compile_accel.int8_matmul). A call whose layer cannot run in int8 stays as it was, and the
+int8 products run in `compile_accel::scaled_int8_mm`, one kernel with the scales applied
+(compile_accel.int8_matmul), the fp8 ones in `torch._scaled_mm`. A call whose layer cannot run in
+8 bits stays as it was, and the
 reason is recorded (`BaseLinears.summary`, in `stats()["base_compute"]`).
 """
 
@@ -44,11 +51,12 @@ from .int8 import quantize_int8
 from .int8_matmul import scaled_int8_mm
 from .selective import RegionSpec, is_excluded
 
-INT8 = "int8"
+IN_8_BITS = "in 8 bits"  # the outcome of a layer whose matmuls run in 8 bits
 NOT_TRACED = "not in a compiled graph yet (no compiled call has reached it)"
-# int8 matmuls on CUDA (torch._int_mm; the Triton kernel's 16-byte loads): sizes multiples of 8.
-CUDA_INT_MM_MULTIPLE = 8
-# On CUDA a call with fewer input rows (tokens x batch) stays in its dtype. The weight is quantized
+# 8-bit matmuls on CUDA need the weight's sizes multiples of these: int8 (torch._int_mm; the
+# Triton kernel's 16-byte loads) 8, fp8 (torch._scaled_mm) 16.
+CUDA_SIZE_MULTIPLE = {"int8": 8, "fp8": 16}
+# On CUDA a call with fewer input rows (tokens x batch) stays in its dtype. A bf16 weight is quantized
 # twice per step (about 10 bytes moved per element), while int8 saves per weight element the time
 # of 4 x rows multiply-adds at the bf16 rate less the int8 rate: at 24 SMs of an H200 (163 TFLOP/s
 # bf16, twice that in int8, 1.2-1.7 TB/s) that pays from ~700 rows. A DiT's modulation Linears
@@ -74,10 +82,6 @@ def base_compute_refusal(compute: str | None, devices: set[torch.device]) -> str
                 return f"{needs}; {device} is {capability[0]}.{capability[1]}"
         elif device.type != "cpu":
             return f"base_compute={compute!r} runs on CPUs and CUDA GPUs, not on {device}"
-        elif compute == "fp8":
-            return f"{needs}; on the CPU use 'int8'"
-    if compute == "fp8":
-        return "base_compute='fp8' is not implemented yet; use 'int8'"
     return None
 
 
@@ -107,6 +111,54 @@ class _Int8Linear(torch.autograd.Function):
         return grad_x.reshape(*grad.shape[:-1], weight.shape[1]), None, None, None
 
 
+FP8 = torch.float8_e4m3fn
+_FP8_MAX = torch.finfo(FP8).max
+
+
+def _fp8_rows(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`values` as rows of their last dimension in float8_e4m3fn, each scaled to the format's
+    range: (values, fp32 scale per row as a column)."""
+    rows = values.reshape(-1, values.shape[-1]).float()
+    scale = rows.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / _FP8_MAX
+    return (rows / scale).clamp(-_FP8_MAX, _FP8_MAX).to(FP8), scale
+
+
+def _fp8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight`'s rows in float8_e4m3fn with their scales as a row (1 x rows): a weight stored in
+    that format as it is, with unit scales."""
+    if weight.dtype == FP8:
+        return weight, torch.ones((1, weight.shape[0]), dtype=torch.float32, device=weight.device)
+    values, scale = _fp8_rows(weight)
+    return values, scale.t()
+
+
+def _scaled_fp8_mm(
+    a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """(a · bᵀ) * a_scale * b_scale (+ bias) in bf16, the one output type of torch._scaled_mm's
+    row-wise scaling: a (m x k) and b (n x k) row-major float8_e4m3fn, a_scale (m x 1), b_scale (1 x n)."""
+    bias = None if bias is None else bias.to(torch.bfloat16)
+    return torch._scaled_mm(a, b.t(), scale_a=a_scale, scale_b=b_scale, bias=bias, out_dtype=torch.bfloat16)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """_Int8Linear's products in float8_e4m3fn (torch._scaled_mm): the output gradient in e4m3 too,
+    its range kept by the per-row scale."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype):
+        ctx.save_for_backward(weight)
+        ctx.in_dtype = x.dtype
+        out = _scaled_fp8_mm(*_fp8_rows(x), *_fp8_weight(weight), bias).to(out_dtype)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        (weight,) = ctx.saved_tensors
+        grad_x = _scaled_fp8_mm(*_fp8_rows(grad), *_fp8_weight(weight.t().contiguous()), None).to(ctx.in_dtype)
+        return grad_x.reshape(*grad.shape[:-1], weight.shape[1]), None, None, None
+
+
 def _implementation_hash() -> str:
     """A hash of the code int8_linear runs (or of compile_accel's version, where no source is
     installed)."""
@@ -117,38 +169,42 @@ def _implementation_hash() -> str:
     return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
-# int8_linear is an operator (a graph's call target must pickle for compile workers) made of the
-# ops _Int8Linear runs: composite, so the compiler traces through it and autograd takes
-# _Int8Linear's backward. AOTAutograd's cache keys on dynamo's graph, where the operator is only a
-# name: its overload is named after the code, so that no entry compiled from other code is taken.
+# int8_linear and fp8_linear are operators (a graph's call target must pickle for compile workers)
+# made of the ops of their autograd functions: composite, so the compiler traces through them and
+# autograd takes the function's backward. AOTAutograd's cache keys on dynamo's graph, where an
+# operator is only a name: its overload is named after the code, so that no entry compiled from
+# other code is taken.
 _OVERLOAD = f"v{_implementation_hash()}"
 _library = torch.library.Library("compile_accel", "FRAGMENT")
-_library.define(f"int8_linear.{_OVERLOAD}(Tensor x, Tensor weight, Tensor? bias, ScalarType out_dtype) -> Tensor")
 
 
-def _int8_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
-) -> torch.Tensor:
-    return _Int8Linear.apply(x, weight, bias, out_dtype)
+def _define_linear(name: str, function: type[torch.autograd.Function]) -> Any:
+    """The operator `compile_accel::name` running `function`: F.linear(x, weight, bias) in 8 bits,
+    in `out_dtype` (what the call gave under autocast)."""
+    _library.define(f"{name}.{_OVERLOAD}(Tensor x, Tensor weight, Tensor? bias, ScalarType out_dtype) -> Tensor")
+    _library.impl(f"{name}.{_OVERLOAD}", function.apply, "CompositeImplicitAutograd")
+    return getattr(getattr(torch.ops.compile_accel, name), _OVERLOAD)
 
 
-_library.impl(f"int8_linear.{_OVERLOAD}", _int8_linear, "CompositeImplicitAutograd")
-# F.linear(x, weight, bias) in int8, in `out_dtype` (what the call gave under autocast): the call
-# rewrite_base_linears puts in place of a base Linear's.
-int8_linear = getattr(torch.ops.compile_accel.int8_linear, _OVERLOAD)
+# The calls rewrite_base_linears puts in place of base Linears', by CompileConfig.base_compute.
+int8_linear = _define_linear("int8_linear", _Int8Linear)
+fp8_linear = _define_linear("fp8_linear", _Fp8Linear)
+LINEARS = {"int8": int8_linear, "fp8": fp8_linear}
 
 
 @dataclass
 class BaseLinears:
     """The frozen nn.Linear layers of the compiled regions, and for each whether its matmuls run in
     8 bits or why not. A graph is traced for one region and run by every region of its class with
-    the same shapes, dtypes and requires_grad, so an outcome is kept per layer key (`_layer_key`):
-    the region's class, the layer's path in it, and what of the layer decides the outcome."""
+    the same shapes, dtypes and requires_grad, so outcomes are kept per layer key (`_layer_key`):
+    the region's class, the layer's path in it, and what of the layer decides the outcome. One key
+    can have several: the graphs of one class for inputs of other sizes (Lumina 2's text refiner
+    blocks, of the main blocks' class, take 512 rows where the main blocks take 8192)."""
 
     compute: str
     layers: dict[str, tuple[type, str, nn.Linear]] = field(default_factory=dict)  # name -> (class, path, layer)
     roles: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)  # weight -> (class, path)
-    outcomes: dict[tuple, str] = field(default_factory=dict)  # layer key -> INT8 or why not
+    outcomes: dict[tuple, set[str]] = field(default_factory=dict)  # layer key -> IN_8_BITS and the reasons not
     # region class name -> compile_accel.base_compute_probe.compare_compute's result
     accuracy: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -166,47 +222,52 @@ class BaseLinears:
 
     def record(self, weight: torch.Tensor, bias: torch.Tensor | None, outcome: str) -> None:
         key = _layer_key(*self.roles[weight], weight, bias)
-        if self.outcomes.get(key, INT8) == INT8:  # a reason it stayed, in any graph, is kept
-            self.outcomes[key] = outcome
+        self.outcomes.setdefault(key, set()).add(outcome)
 
     def summary(self) -> dict[str, Any]:
         """`compute`, `base_linears` (how many), `in_8_bits` (how many run in 8 bits in every compiled
         graph that reached them), `stayed` (layer name -> why it runs in its own dtype) and
-        `accuracy` (region class -> its first training call's comparison with its own dtype)."""
-        stayed = {}
+        `accuracy` (region class -> its first training call's comparison with its own dtype). A layer
+        whose class has graphs of both kinds counts in `in_8_bits` and is in `stayed` as well."""
+        stayed, in_8_bits = {}, 0
         for name, (kind, path, layer) in self.layers.items():
-            outcome = self.outcomes.get(_layer_key(kind, path, layer.weight, layer.bias), NOT_TRACED)
-            if outcome != INT8:
-                stayed[name] = outcome
+            outcomes = self.outcomes.get(_layer_key(kind, path, layer.weight, layer.bias), {NOT_TRACED})
+            in_8_bits += IN_8_BITS in outcomes
+            reasons = "; ".join(sorted(outcomes - {IN_8_BITS}))
+            if reasons and IN_8_BITS in outcomes:
+                stayed[name] = f"{reasons} (in 8 bits in other graphs of its class)"
+            elif reasons:
+                stayed[name] = reasons
         return {
             "compute": self.compute,
             "base_linears": len(self.layers),
-            "in_8_bits": len(self.layers) - len(stayed),
+            "in_8_bits": in_8_bits,
             "stayed": stayed,
             "accuracy": dict(self.accuracy),
         }
 
 
 def _layer_key(kind: type, path: str, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
-    """What an outcome is kept under: the layer's role and what `_why_not_int8` reads of it."""
+    """What an outcome is kept under: the layer's role and what `_why_not_8_bits` reads of it."""
     bias_trains = bias is not None and bias.requires_grad
     return kind, path, tuple(weight.shape), weight.dtype, weight.device, bias_trains
 
 
-def _why_not_int8(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
+def _why_not_8_bits(compute: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
     if bias is not None and bias.requires_grad:
         return "its bias is trainable"
     if not (x.is_floating_point() and weight.is_floating_point()):
-        return f"input {x.dtype}, weight {weight.dtype}: int8 quantizes floating-point values"
+        return f"input {x.dtype}, weight {weight.dtype}: {compute} quantizes floating-point values"
     if weight.device.type != "cuda":
         return None
-    if any(size % CUDA_INT_MM_MULTIPLE for size in weight.shape):
-        return (
-            f"weight {tuple(weight.shape)}: torch._int_mm on CUDA needs both sizes multiples of {CUDA_INT_MM_MULTIPLE}"
-        )
+    multiple = CUDA_SIZE_MULTIPLE[compute]
+    if any(size % multiple for size in weight.shape):
+        return f"weight {tuple(weight.shape)}: {compute} on CUDA needs both sizes multiples of {multiple}"
     rows = _size_hint(x.numel()) // _size_hint(x.shape[-1]) if x.shape[-1] else 0
     if rows < CUDA_MIN_ROWS:
-        return f"input rows {rows}: on CUDA int8 gains from {CUDA_MIN_ROWS} rows (the weight's quantization costs more)"
+        return (
+            f"input rows {rows}: on CUDA 8 bits gain from {CUDA_MIN_ROWS} rows (the weight's quantization costs more)"
+        )
     return None
 
 
@@ -224,7 +285,7 @@ def _linear_arguments(node: torch.fx.Node) -> tuple[Any, Any, Any]:
 
 def rewrite_base_linears(gm: torch.fx.GraphModule, example_inputs: list[Any], base_linears: BaseLinears) -> None:
     """Turn each F.linear call of dynamo's graph `gm` (and of the graphs nested in it, a checkpoint's
-    body) whose weight is one of `base_linears` into int8_linear, or record why it stays.
+    body) whose weight is one of `base_linears` into int8_linear or fp8_linear, or record why it stays.
     `example_inputs` are the real tensors dynamo calls `gm` with."""
     placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
     _rewrite(gm, dict(zip(placeholders, example_inputs)), base_linears)
@@ -260,8 +321,8 @@ def _value(arg: Any, values: dict[torch.fx.Node, Any]) -> Any:
 def _rewrite_linear(
     gm: torch.fx.GraphModule, node: torch.fx.Node, values: dict[torch.fx.Node, Any], base_linears: BaseLinears
 ) -> bool:
-    """Replace one F.linear call by int8_linear if its weight is a base weight that can run in int8;
-    whether it did. A base weight that cannot is recorded with the reason."""
+    """Replace one F.linear call by base_linears.compute's 8-bit linear if its weight is a base
+    weight that can run in 8 bits; whether it did. A base weight that cannot is recorded with the reason."""
     x, weight, bias = (_value(arg, values) for arg in _linear_arguments(node))
     if (
         not isinstance(weight, nn.Parameter)
@@ -270,14 +331,14 @@ def _rewrite_linear(
         or not isinstance(x, torch.Tensor)  # (an input without a traced value: left as it is)
     ):
         return False
-    why = _why_not_int8(x, weight, bias)
-    base_linears.record(weight, bias, why or INT8)
+    why = _why_not_8_bits(base_linears.compute, x, weight, bias)
+    base_linears.record(weight, bias, why or IN_8_BITS)
     if why is not None:
         return False
     x_node, weight_node, bias_node = _linear_arguments(node)
     with gm.graph.inserting_before(node):
         replacement = gm.graph.call_function(
-            int8_linear,
+            LINEARS[base_linears.compute],
             (x_node, weight_node, bias_node, node.meta["example_value"].dtype),
         )
     replacement.meta = dict(node.meta)

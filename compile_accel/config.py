@@ -74,7 +74,9 @@ class CompileConfig:
         frozen nn.Linear layers inside the compiled regions (a LoRA's base Linear included) as
         int8 x int8 products with per-token and per-channel scales, forward and input gradient;
         the LoRA path stays in its dtype (compile_accel.base_compute). On CPUs and CUDA GPUs of
-        compute capability 8.0 or newer. "fp8" is refused at apply() for now.
+        compute capability 8.0 or newer. "fp8": the same in float8_e4m3fn products with row-wise
+        scales (torch._scaled_mm), a weight stored in float8_e4m3fn used as it is; on CPUs and
+        CUDA GPUs of compute capability 8.9 or newer.
     """
 
     mode: str = "selective"

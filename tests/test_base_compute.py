@@ -1,7 +1,7 @@
-"""base_compute="int8" on the CPU: the frozen Linears of compiled regions run as int8 matmuls.
+"""base_compute="int8" | "fp8" on the CPU: the frozen Linears of compiled regions run as 8-bit matmuls.
 
-Bars (the issue's, for int8): each block's output within 2% (relative Frobenius error) of eager
-fp32's on the same input, and every LoRA gradient's cosine similarity to eager's at least 0.99.
+Bars (the issue's): each block's output within 2% (int8) or 4% (fp8) (relative Frobenius error) of
+eager fp32's on the same input, and every LoRA gradient's cosine similarity to eager's at least 0.99.
 Eager is the reference of the same block compiled without base_compute, which matches it within
 1e-4 (tests/test_parity.py). Inputs and weights are drawn fresh on every run.
 """
@@ -20,8 +20,10 @@ from torch.utils.checkpoint import checkpoint
 import compile_accel
 from compile_accel import CompileConfig, base_compute
 from compile_accel.benchmarks.tiny_dit import make_inputs
+from compile_accel.selective import RegionSpec
 
 MAX_ERROR = 0.02
+MAX_ERRORS = {"int8": MAX_ERROR, "fp8": 0.04}
 MIN_COSINE = 0.99
 
 
@@ -29,8 +31,10 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return F.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
 
 
-def test_int8_linear_matches_linear_and_follows_its_weight() -> None:
+@pytest.mark.parametrize("compute", base_compute.LINEARS)
+def test_8_bit_linear_matches_linear_and_follows_its_weight(compute: str) -> None:
     torch.manual_seed(torch.seed())
+    max_error = MAX_ERRORS[compute]
     linear = nn.Linear(48, 40).requires_grad_(False)
     x = torch.randn(3, 10, 48, requires_grad=True)
     grad = torch.randn(3, 10, 40)
@@ -39,24 +43,45 @@ def test_int8_linear_matches_linear_and_follows_its_weight() -> None:
         x.grad = None
         expected = F.linear(x, linear.weight, linear.bias)
         (expected_input_grad,) = torch.autograd.grad(expected, x, grad)
-        out = base_compute.int8_linear(x, linear.weight, linear.bias, torch.float32)
+        out = base_compute.LINEARS[compute](x, linear.weight, linear.bias, torch.float32)
         out.backward(grad)
         return out, expected, x.grad, expected_input_grad
 
     out, expected, input_grad, expected_input_grad = both()
-    assert 0 < relative_error(out, expected) <= MAX_ERROR
-    assert 0 < relative_error(input_grad, expected_input_grad) <= MAX_ERROR
+    assert 0 < relative_error(out, expected) <= max_error
+    assert 0 < relative_error(input_grad, expected_input_grad) <= max_error
 
     with torch.no_grad():
         linear.weight.mul_(-2)  # in place
     out, expected, input_grad, expected_input_grad = both()
-    assert relative_error(out, expected) <= MAX_ERROR
-    assert relative_error(input_grad, expected_input_grad) <= MAX_ERROR
+    assert relative_error(out, expected) <= max_error
+    assert relative_error(input_grad, expected_input_grad) <= max_error
 
     linear.weight.data = torch.randn(40, 48)  # a new storage (as a swapped block's)
     out, expected, input_grad, expected_input_grad = both()
-    assert relative_error(out, expected) <= MAX_ERROR
-    assert relative_error(input_grad, expected_input_grad) <= MAX_ERROR
+    assert relative_error(out, expected) <= max_error
+    assert relative_error(input_grad, expected_input_grad) <= max_error
+
+
+def test_fp8_multiplies_a_float8_weight_as_it_is() -> None:
+    """An e4m3 weight (sd-scripts' --fp8_base) is not quantized again: with inputs whose rows fp8
+    holds exactly (values of e4m3, each row's largest magnitude the format's maximum, so its scale
+    is 1) the product is exact but for its fp32 sums and bf16 output. A weight re-quantized per row
+    (to its own maximum) would round most of its values again."""
+    torch.manual_seed(torch.seed())
+    weight = (torch.randn(40, 48) * 0.05).to(torch.float8_e4m3fn)
+    x = (torch.randn(6, 48) * 50).to(torch.float8_e4m3fn).float()
+    x[:, 0] = torch.finfo(torch.float8_e4m3fn).max
+    weight_t = weight.float().t().contiguous().to(torch.float8_e4m3fn)  # exact: a transpose
+    grad = x[:, :40].contiguous()  # rows of the same kind for the backward
+
+    x.requires_grad_(True)
+    out = base_compute.fp8_linear(x, weight, None, torch.float32)
+    out.backward(grad)
+    expected = (x.detach().double() @ weight.double().t()).float()
+    assert torch.allclose(out, expected.bfloat16().float(), rtol=2**-8, atol=0)
+    expected_grad = (grad.double() @ weight_t.double().t()).float()
+    assert torch.allclose(x.grad, expected_grad.bfloat16().float(), rtol=2**-8, atol=0)
 
 
 @pytest.mark.parametrize(
@@ -65,7 +90,7 @@ def test_int8_linear_matches_linear_and_follows_its_weight() -> None:
         ("int8", (7, 5), "base_compute='int8' needs a CUDA GPU of compute capability 8.0 or newer; cuda:0 is 7.5"),
         ("int8", (8, 0), None),
         ("fp8", (8, 6), "base_compute='fp8' needs a CUDA GPU of compute capability 8.9 or newer; cuda:0 is 8.6"),
-        ("fp8", (9, 0), "base_compute='fp8' is not implemented yet; use 'int8'"),
+        ("fp8", (8, 9), None),
     ],
 )
 def test_gpus_without_the_matmuls_are_refused(
@@ -88,19 +113,37 @@ def _fake(*shape: int, device: str = "cuda", dynamic: bool = False) -> torch.Ten
 
 
 @pytest.mark.parametrize(
-    "x, weight, why",
+    "compute, x, weight, why",
     [
-        (_fake(2, 512, 64), _fake(32, 64), None),
-        (_fake(2, 512, 64, dynamic=True), _fake(32, 64), None),
-        (_fake(2, 511, 64), _fake(32, 64), "input rows 1022: on CUDA int8 gains from 1024 rows"),
-        (_fake(2, 1, 64, dynamic=True), _fake(32, 64), "input rows 2: on CUDA int8 gains from 1024 rows"),
-        (_fake(4096, 64), _fake(36, 64), "weight (36, 64): torch._int_mm on CUDA needs both sizes multiples of 8"),
-        (_fake(1, 60, device="cpu"), _fake(36, 60, device="cpu"), None),  # every size on the CPU
+        ("int8", _fake(2, 512, 64), _fake(32, 64), None),
+        ("int8", _fake(2, 512, 64, dynamic=True), _fake(32, 64), None),
+        ("int8", _fake(2, 511, 64), _fake(32, 64), "input rows 1022: on CUDA 8 bits gain from 1024 rows"),
+        ("fp8", _fake(2, 1, 64, dynamic=True), _fake(32, 64), "input rows 2: on CUDA 8 bits gain from 1024 rows"),
+        ("int8", _fake(4096, 64), _fake(36, 64), "weight (36, 64): int8 on CUDA needs both sizes multiples of 8"),
+        ("int8", _fake(4096, 24), _fake(32, 24), None),
+        ("fp8", _fake(4096, 24), _fake(32, 24), "weight (32, 24): fp8 on CUDA needs both sizes multiples of 16"),
+        ("fp8", _fake(1, 60, device="cpu"), _fake(36, 60, device="cpu"), None),  # every size on the CPU
     ],
 )
-def test_what_stays_out_of_int8_on_cuda(x: torch.Tensor, weight: torch.Tensor, why: str | None) -> None:
-    reason = base_compute._why_not_int8(x, weight, None)
+def test_what_stays_out_of_8_bits_on_cuda(compute: str, x: torch.Tensor, weight: torch.Tensor, why: str | None) -> None:
+    reason = base_compute._why_not_8_bits(compute, x, weight, None)
     assert reason == why if why is None else reason.startswith(why)
+
+
+def test_a_layer_whose_class_has_graphs_of_both_kinds_counts_as_both() -> None:
+    """The outcomes of one layer role in several graphs (a class run on inputs of other sizes):
+    8 bits where any graph runs it so, and every reason any graph kept it."""
+    block = _MLPBlock().requires_grad_(False)
+    found = base_compute.BaseLinears.find("fp8", [RegionSpec("blocks.0", block)], exclude=[])
+    found.record(block.fc1.weight, block.fc1.bias, base_compute.IN_8_BITS)
+    found.record(block.fc1.weight, block.fc1.bias, "input rows 512: ...")
+    found.record(block.fc2.weight, block.fc2.bias, "input rows 512: ...")
+    summary = found.summary()
+    assert (summary["base_linears"], summary["in_8_bits"]) == (2, 1)
+    assert summary["stayed"] == {
+        "blocks.0.fc1": "input rows 512: ... (in 8 bits in other graphs of its class)",
+        "blocks.0.fc2": "input rows 512: ...",
+    }
 
 
 def _inputs(model: nn.Module, height: int, width: int, text: int) -> tuple[torch.Tensor, ...]:
@@ -205,8 +248,9 @@ def _peft_mlp(block: type[_MLPBlock]) -> tuple[nn.Module, list[nn.Parameter]]:
 PEFT_CASES = {"selective": _MLPBlock, "blocks": _MLPBlock, "blocks-checkpointed": _CheckpointedMLPBlock}
 
 
+@pytest.mark.parametrize("compute", base_compute.LINEARS)
 @pytest.mark.parametrize("case", PEFT_CASES)
-def test_peft_base_layers_in_int8_and_a_trainable_bias_stays(case: str) -> None:
+def test_peft_base_layers_in_8_bits_and_a_trainable_bias_stays(case: str, compute: str) -> None:
     torch.manual_seed(torch.seed())
     model, params = _peft_mlp(PEFT_CASES[case])
     model.blocks[1].fc2.base_layer.bias.requires_grad_(True)  # weight frozen, bias trained: stays
@@ -214,17 +258,17 @@ def test_peft_base_layers_in_int8_and_a_trainable_bias_stays(case: str) -> None:
     expected_loss, expected_grads = lora_step(model, params, (x,))
 
     # aot_eager: the rewrite and the op are the same under inductor (the kohya test compiles with it).
-    config = CompileConfig(mode=case.split("-")[0], base_compute="int8", backend="aot_eager")
+    config = CompileConfig(mode=case.split("-")[0], base_compute=compute, backend="aot_eager")
     acceleration = compile_accel.apply(model, config, blocks=["blocks"])
     loss, grads = lora_step(model, params, (x,))
-    assert relative_error(loss, expected_loss) <= MAX_ERROR
+    assert relative_error(loss, expected_loss) <= MAX_ERRORS[compute]
     cosines = [_cosine(grad, expected) for grad, expected in zip(grads, expected_grads, strict=True)]
     assert min(cosines) >= MIN_COSINE, cosines
     stats = acceleration.stats()
     assert (stats["graph_breaks"], stats["recompiles"], stats["fallbacks"]) == (0, 0, [])
     kind = "Linear" if case == "selective" else PEFT_CASES[case].__name__
     assert stats["base_compute"] == {
-        "compute": "int8",
+        "compute": compute,
         "base_linears": 4,
         "in_8_bits": 3,
         "stayed": {"blocks.1.fc2.base_layer": "its bias is trainable"},
@@ -272,7 +316,9 @@ def test_a_lora_trained_in_int8_reaches_the_loss_it_reaches_in_its_own_dtype() -
     teacher is the frozen base plus a known rank-4 delta on every Linear, the targets carry noise
     as a diffusion loss does (its variance is the floor a perfect student reaches), each step a
     fresh batch. Both students must learn the delta (from over 10x the floor to under 1.2x) and
-    end within 10% of each other."""
+    end within 10% of each other. (fp8, whose products are ~3.5% off, ended 21% above its own
+    dtype here: its error is a noise of its own, near this toy's floor; the issue asks fp8's on
+    the GPU.)"""
     torch.manual_seed(torch.seed())
     teacher, _ = _peft_mlp(_MLPBlock)
     noise = 0.05
@@ -308,10 +354,10 @@ def test_a_lora_trained_in_int8_reaches_the_loss_it_reaches_in_its_own_dtype() -
 
     floor = noise**2
     start, own = final_loss(None)
-    _, int8 = final_loss("int8")
+    _, in_8_bits = final_loss("int8")
     assert start > 10 * floor
-    assert own < 1.2 * floor and int8 < 1.2 * floor, (own, int8, floor)
-    assert abs(int8 - own) <= 0.1 * own, (int8, own)
+    assert own < 1.2 * floor and in_8_bits < 1.2 * floor, (own, in_8_bits, floor)
+    assert abs(in_8_bits - own) <= 0.1 * own, (in_8_bits, own)
 
 
 @pytest.mark.parametrize(

@@ -401,7 +401,7 @@ def test_with_auto_the_bench_steps_until_its_choice_is_made_before_warm_up() -> 
     assert auto.waiting_for is None and next(waits, "all used") == "all used"
 
 
-def test_a_compute_suffix_sets_base_compute_on_compiled_modes_only(capsys, no_mode_runs) -> None:
+def test_a_compute_suffix_sets_base_compute_on_compiled_modes_only(capsys, no_mode_runs, monkeypatch) -> None:
     assert parse_mode("blocks+budget=0.5+compute=int8").config.base_compute == "int8"
     offloaded = parse_mode("selective+ckpt+offload=0.5+compute=int8")
     assert (offloaded.config.base_compute, offloaded.offload.fraction) == ("int8", 0.5)
@@ -414,7 +414,12 @@ def test_a_compute_suffix_sets_base_compute_on_compiled_modes_only(capsys, no_mo
     ]:
         with pytest.raises(ValueError, match=message):
             parse_mode(spec)
-    # A computation the device cannot run is refused before any mode starts.
+    # A computation the device cannot run is refused before any mode starts (a device that cannot
+    # stood in for: every compute runs on the CPU).
+    from compile_accel import base_compute
+
+    cannot = {"fp8": "base_compute='fp8' needs a CUDA GPU of compute capability 8.9 or newer"}
+    monkeypatch.setattr(base_compute, "base_compute_refusal", lambda compute, devices: cannot.get(compute))
     status, err = run_bench(capsys, "--device", "cpu", "--modes", "eager+ckpt,blocks+budget=0.5+compute=fp8")
     assert status == 2
     assert "blocks+budget=0.5+compute=fp8: base_compute='fp8' needs a CUDA GPU of compute capability 8.9" in err

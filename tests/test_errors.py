@@ -56,8 +56,6 @@ BAD_CONFIGS = [
         dict(mode="blocks", activation_memory_budget=0.5, base_compute="int8", compile_mode="reduce-overhead"),
         "base_compute='int8' does not run under CUDA graphs yet",
     ),
-    # The tests' model is on the CPU, where fp8 matmuls do not run.
-    (dict(mode="selective", base_compute="fp8"), "base_compute='fp8' needs a CUDA GPU"),
 ]
 
 

@@ -344,12 +344,6 @@ def test_bad_budget_is_an_argparse_error(value: str) -> None:
         ),
         (["--base_compute", "int8"], {}, "--base_compute need --selective_torch_compile or --activation_memory_budget"),
         (
-            ["--selective_torch_compile", "--base_compute", "fp8"],
-            {},
-            "--base_compute fp8: base_compute='fp8' needs a CUDA GPU of compute capability 8.9 or newer; on the CPU "
-            "use 'int8'",
-        ),
-        (
             ["--activation_memory_budget", "0.5", "--base_compute", "int8", "--compile_cuda_graphs"],
             {},
             "--base_compute int8: does not run under --compile_cuda_graphs yet; drop one of the two",
@@ -375,6 +369,11 @@ def test_base_compute_reaches_the_config_and_a_gpu_that_cannot_is_refused(monkey
     refusal = r"--base_compute int8: .*compute capability 8\.0 or newer; cuda is 7\.5"
     with pytest.raises(accel.LaunchError, match=refusal):
         accel.config_from_args(_parse("--selective_torch_compile", "--base_compute", "int8"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))  # an RTX 3090
+    assert accel.config_from_args(_parse("--selective_torch_compile", "--base_compute", "int8")).base_compute
+    refusal = r"--base_compute fp8: .*compute capability 8\.9 or newer; cuda is 8\.6"
+    with pytest.raises(accel.LaunchError, match=refusal):
+        accel.config_from_args(_parse("--selective_torch_compile", "--base_compute", "fp8"))
 
 
 def test_compile_workers_become_the_compile_config_where_torch_has_them(monkeypatch: pytest.MonkeyPatch) -> None:
