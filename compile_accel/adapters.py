@@ -38,11 +38,14 @@ class ModelAdapter:
         called with (model, device, on_remove: registers an undo for Acceleration.remove) as the
         ladder activation_memory_budget="auto" climbs when no budget fits; None: that of a
         BlockOffloadConductor holding the blocks.
+    static_shapes: the model's blocks run at a few fixed sizes each (a U-Net's levels), so that
+        where CompileConfig.dynamic is None their graphs compile per size (dynamic=False).
     """
 
     blocks: tuple[str, ...]
     prepare: Callable[[nn.Module], Undo] | None = None
     offload_ladder: ModelOffloadLadder | None = None
+    static_shapes: bool = False
 
     def block_paths(self, model: nn.Module) -> list[str]:
         """The paths of `model`'s block lists; UnknownLayout when none matches."""

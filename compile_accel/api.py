@@ -219,6 +219,8 @@ def apply_adapter(
     included (the eager baseline of a benchmark)."""
     wait_for_preload()  # before anything here imports inductor (compile_accel.preload)
     config = _checked_config(config)
+    if adapter and adapter.static_shapes and config.dynamic is None:
+        config = dataclasses.replace(config, dynamic=False)
     _check_model(model)
     if config.mode != "off":
         _check_backend(config)

@@ -246,9 +246,13 @@ FAMILIES: dict[str, ModelAdapter] = {
     ),
     "Flux": ModelAdapter(("double_blocks", "single_blocks"), offload_ladder=block_swap_ladder(_flux_most_swapped)),
     "MMDiT": ModelAdapter(("joint_blocks",), offload_ladder=block_swap_ladder(lambda model: model.num_blocks - 2)),
-    # U-Nets: every layer the model's loop calls (ResBlocks, transformers, down/upsamplers).
+    # U-Nets: every layer the model's loop calls (ResBlocks, transformers, down/upsamplers). SD
+    # 1.x's compile per size: with automatic dynamic shapes 3 of its 24 graphs (train_network.py,
+    # 128x128, torch 2.14) were symbolic ones specialized again to a size by AOTAutograd's cache
+    # and compiled twice; per size, the same 24 and none twice. (SDXL's graphs, measured with
+    # automatic dynamic shapes, keep them.)
     "SdxlUNet2DConditionModel": ModelAdapter(("input_blocks.*", "middle_block", "output_blocks.*")),
-    "UNet2DConditionModel": ModelAdapter(UNET_BLOCK_LISTS),
+    "UNet2DConditionModel": ModelAdapter(UNET_BLOCK_LISTS, static_shapes=True),
 }
 
 

@@ -59,13 +59,18 @@ def small_t5(config_class: type) -> Callable[..., object]:
 Patch = tuple[object, str, object]  # (module or class, attribute, stand-in)
 
 
+def install(patches: list[Patch]) -> None:
+    """The stand-ins in place for the rest of the process (a harness's training process)."""
+    for owner, name, value in patches:
+        setattr(owner, name, value)
+
+
 @contextlib.contextmanager
 def patched(patches: list[Patch]) -> Iterator[None]:
     """The stand-ins in place for a `with` block (a workspace builds models of the harness's
     sizes without changing sd-scripts' modules for the rest of the test process)."""
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
-    for owner, name, value in patches:
-        setattr(owner, name, value)
+    install(patches)
     try:
         yield
     finally:
@@ -81,19 +86,20 @@ def save(weights: torch.nn.Module | dict[str, torch.Tensor], path: Path) -> Path
     return path
 
 
-def write_dataset(root: Path) -> Path:
-    """Two random 64x64 images with the captions, one batch of two; returns the dataset config."""
+def write_dataset(root: Path, size: int = 64) -> Path:
+    """Two random `size` x `size` images with the captions, one batch of two; returns the dataset
+    config."""
     from PIL import Image
 
     images = root / "images"
     images.mkdir(parents=True)
     for i, caption in enumerate(CAPTIONS):
-        pixels = np.random.default_rng(i).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+        pixels = np.random.default_rng(i).integers(0, 256, (size, size, 3), dtype=np.uint8)
         Image.fromarray(pixels).save(images / f"{i}.png")
         (images / f"{i}.txt").write_text(caption)
     dataset = root / "dataset.toml"
     dataset.write_text(
-        f'[general]\ncaption_extension = ".txt"\n[[datasets]]\nresolution = 64\nbatch_size = 2\n'
+        f'[general]\ncaption_extension = ".txt"\n[[datasets]]\nresolution = {size}\nbatch_size = 2\n'
         f'[[datasets.subsets]]\nimage_dir = "{images}"\nnum_repeats = 1\n'
     )
     return dataset

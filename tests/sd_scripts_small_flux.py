@@ -71,6 +71,7 @@ def train_args(paths: dict[str, Path]) -> list[str]:
         *("--t5xxl", str(paths["t5xxl"]), "--ae", str(paths["ae"]), "--network_module", "networks.lora_flux"),
         *("--t5xxl_max_token_length", str(common.T5_MAX_TOKENS), "--guidance_scale", "1.0"),
         *("--timestep_sampling", "shift", "--discrete_flow_shift", "3.1582", "--model_prediction_type", "raw"),
+        "--cache_text_encoder_outputs",
     ]
 
 

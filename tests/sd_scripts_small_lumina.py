@@ -86,6 +86,7 @@ def train_args(paths: dict[str, Path]) -> list[str]:
         *("--pretrained_model_name_or_path", str(paths["nextdit"]), "--gemma2", str(paths["gemma2"])),
         *("--ae", str(paths["ae"]), "--network_module", "networks.lora_lumina"),
         *("--timestep_sampling", "nextdit_shift", "--discrete_flow_shift", "6.0", "--model_prediction_type", "raw"),
+        "--cache_text_encoder_outputs",
     ]
 
 

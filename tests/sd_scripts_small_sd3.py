@@ -80,6 +80,7 @@ def train_args(paths: dict[str, Path]) -> list[str]:
         *("--pretrained_model_name_or_path", str(paths["mmdit"]), "--clip_l", str(paths["clip_l"])),
         *("--clip_g", str(paths["clip_g"]), "--t5xxl", str(paths["t5xxl"]), "--vae", str(paths["vae"])),
         *("--network_module", "networks.lora_sd3", "--t5xxl_max_token_length", str(common.T5_MAX_TOKENS)),
+        "--cache_text_encoder_outputs",
     ]
 
 

@@ -52,8 +52,7 @@ def small_factories() -> list[common.Patch]:
 
 def shrink_factories() -> None:
     """Make sd-scripts build the small U-Net and text encoders."""
-    for owner, name, value in small_factories():
-        setattr(owner, name, value)
+    common.install(small_factories())
 
 
 def make_workspace(root: Path) -> dict[str, Path]:
@@ -76,8 +75,13 @@ def make_workspace(root: Path) -> dict[str, Path]:
 
 
 def train_args(paths: dict[str, Path]) -> list[str]:
-    """The script's own arguments for the workspace: the checkpoint, LoRA, SDPA attention."""
-    return ["--pretrained_model_name_or_path", str(paths["checkpoint"]), "--network_module", "networks.lora", "--sdpa"]
+    """The script's own arguments for the workspace: the checkpoint, LoRA, SDPA attention, the
+    text encoders' outputs cached."""
+    checkpoint = str(paths["checkpoint"])
+    return [
+        *("--pretrained_model_name_or_path", checkpoint, "--network_module", "networks.lora", "--sdpa"),
+        "--cache_text_encoder_outputs",
+    ]
 
 
 if __name__ == "__main__":

@@ -279,3 +279,36 @@ def test_blocks_called_with_two_argument_counts_compile_one_graph_each_and_no_re
     stats = acceleration.stats()
     assert (stats["unique_graphs"], stats["recompiles"], stats["fallbacks"]) == (2, 0, [])
     assert dynamo_recompiles == []
+
+
+@pytest.mark.parametrize("dynamic, symbolic", [(None, False), (True, True)])
+def test_an_adapter_of_fixed_sizes_compiles_per_size_unless_the_config_says(
+    dynamic: bool | None, symbolic: bool
+) -> None:
+    """ModelAdapter(static_shapes=True) (a U-Net's levels): with CompileConfig.dynamic None each
+    size compiles a graph of its own, none symbolic; a dynamic the config names is kept."""
+    import torch.nn as nn
+
+    from compile_accel.adapters import ModelAdapter
+    from compile_accel.api import apply_adapter
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = x + block(x)
+            return x
+
+    model = Model()
+    config = CompileConfig(mode="blocks", backend=BACKEND, dynamic=dynamic)
+    acceleration = apply_adapter(model, config, ModelAdapter(("blocks",), static_shapes=True))
+    for rows in (4, 6, 10):  # automatic dynamic shapes turn symbolic from the second size on
+        model(torch.randn(rows, 8, requires_grad=True)).sum().backward()
+    # Per size: 3 graphs; symbolic: 1; automatic dynamic shapes would have made 2.
+    stats = acceleration.stats()
+    assert acceleration.config.dynamic is (False if dynamic is None else dynamic)
+    assert (stats["unique_graphs"], stats["recompiles"]) == (1 if symbolic else 3, 0)
+    acceleration.remove()
