@@ -32,12 +32,13 @@ WORDS = sorted({word for caption in CAPTIONS for word in caption.split()})
 # letters; <|endoftext|> has the highest id, as in CLIP, whose legacy pooling takes the argmax id.
 LETTERS = string.ascii_lowercase
 CLIP_VOCAB = [*LETTERS, *(c + "</w>" for c in LETTERS), "<|startoftext|>", "<|endoftext|>"]
-# Small CLIP text encoders, keyed by the hidden size sd-scripts builds (768: CLIP-L, 1280: CLIP-G);
-# the two differ so that a mixed-up L and G would not fit together. CLIP-L keeps its 12 layers:
-# SDXL takes its 11th hidden state.
+# Small CLIP text encoders, keyed by the hidden size sd-scripts builds (768: CLIP-L, 1280: CLIP-G,
+# 1024: SD 2.x's OpenCLIP-H); they differ so that a mixed-up pair would not fit together. CLIP-L
+# keeps its 12 layers: SDXL takes its 11th hidden state.
 SMALL_CLIP = {
     768: dict(hidden_size=32, intermediate_size=64, num_hidden_layers=12, num_attention_heads=2, projection_dim=32),
     1280: dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2, projection_dim=48),
+    1024: dict(hidden_size=40, intermediate_size=80, num_hidden_layers=2, num_attention_heads=2, projection_dim=40),
 }
 T5_VOCAB = ["<pad>", "</s>", "<unk>", *WORDS]  # T5's ids for pad and eos
 # d_model stays 4096: SD3 pads CLIP's output to 4096 features and joins T5's to it.
@@ -122,10 +123,10 @@ def word_level_tokenizer(vocab: list[str], unk: str) -> object:
     return tokenizer
 
 
-def write_clip_tokenizer(hub: Path, repo_id: str) -> None:
+def write_clip_tokenizer(hub: Path, repo_id: str, subfolder: str = "") -> None:
     import transformers
 
-    folder = hub_snapshot(hub, repo_id)
+    folder = hub_snapshot(hub, repo_id) / subfolder
     folder.mkdir(parents=True)
     (folder / "vocab.json").write_text(json.dumps({token: i for i, token in enumerate(CLIP_VOCAB)}))
     (folder / "merges.txt").write_text("#version: 0.2\n")

@@ -1,4 +1,5 @@
-"""Run sd-scripts' train_network.py (SD 1.x) end to end on a small random checkpoint.
+"""Run sd-scripts' train_network.py (SD 1.x) end to end on a small random checkpoint (SD 2.x:
+tests/sd_scripts_small_sd2.py, from the same functions).
 
 sd-scripts builds SD 1.x's U-Net (library/original_unet.py) from module constants: its channels
 in original_unet and, for the checkpoint's conversion, in model_util, which also writes CLIP-L's
@@ -31,9 +32,16 @@ CONTEXT_DIM = common.SMALL_CLIP[768]["hidden_size"]
 IMAGE_SIZE = 128
 
 
-def small_factories() -> list[common.Patch]:
+def small_factories(v2: bool = False) -> list[common.Patch]:
+    """The stand-ins; `v2`: also SD 2.x's, its cross-attention features (OpenCLIP-H's small size)
+    and head counts (5, 10, 20 do not divide the small levels)."""
     levels = tuple(MODEL_CHANNELS * m for m in model_util.UNET_PARAMS_CHANNEL_MULT)
+    v2_patches = [
+        (model_util, "V2_UNET_PARAMS_CONTEXT_DIM", common.SMALL_CLIP[1024]["hidden_size"]),
+        (model_util, "V2_UNET_PARAMS_ATTENTION_HEAD_DIM", [2, 4, 8, 8]),
+    ]
     return [
+        *(v2_patches if v2 else []),
         (original_unet, "BLOCK_OUT_CHANNELS", levels),
         (original_unet, "TIMESTEP_INPUT_DIM", levels[0]),  # both derived at import, from the full size
         (original_unet, "TIME_EMBED_DIM", levels[0] * 4),
@@ -48,21 +56,25 @@ def shrink_factories() -> None:
     common.install(small_factories())
 
 
-def make_workspace(root: Path) -> dict[str, Path]:
-    """A random checkpoint, dataset and tokenizer under `root`; returns the paths the script needs."""
+def make_workspace(root: Path, v2: bool = False) -> dict[str, Path]:
+    """A random checkpoint (SD 2.x's with `v2`), dataset and tokenizer under `root`; returns the
+    paths the script needs."""
     from diffusers import AutoencoderKL
     from library import strategy_sd  # imports train_util: only where a run needs it
 
     torch.manual_seed(0)
     paths = {"dataset": common.write_dataset(root, IMAGE_SIZE), "hub": root / "hub"}
     paths["checkpoint"] = root / "sd15.safetensors"
-    with common.patched(small_factories()):
-        unet = original_unet.UNet2DConditionModel(**model_util.create_unet_diffusers_config(v2=False))
-        text_encoder = common.small_clip_model(768, projection=False)
+    with common.patched(small_factories(v2)):
+        unet = original_unet.UNet2DConditionModel(**model_util.create_unet_diffusers_config(v2))
+        text_encoder = common.small_clip_model(1024 if v2 else 768, projection=False)
         vae = AutoencoderKL(**model_util.create_vae_diffusers_config())
         checkpoint = str(paths["checkpoint"])
-        model_util.save_stable_diffusion_checkpoint(False, checkpoint, text_encoder, unet, None, 0, 0, None, vae=vae)
-    common.write_clip_tokenizer(paths["hub"], strategy_sd.TOKENIZER_ID)
+        model_util.save_stable_diffusion_checkpoint(v2, checkpoint, text_encoder, unet, None, 0, 0, None, vae=vae)
+    if v2:
+        common.write_clip_tokenizer(paths["hub"], strategy_sd.V2_STABLE_DIFFUSION_ID, subfolder="tokenizer")
+    else:
+        common.write_clip_tokenizer(paths["hub"], strategy_sd.TOKENIZER_ID)
     return paths
 
 
