@@ -440,6 +440,39 @@ def sdscripts_sdxl(
     return _sd_scripts_bench(spec, device, lora_rank, options)
 
 
+def sdscripts_sd15(
+    device: str, lora_rank: int, batch: int | None, res: int | None, options: SdScriptsOptions = SdScriptsOptions()
+) -> BenchModel:
+    """kohya sd-scripts' SD 1.x U-Net (library/original_unet.py, model_util's SD 1.5 config) at full
+    size, random weights, SDPA attention (train_network.py's --sdpa), LoRA from networks/lora.py on
+    the U-Net alone, called as train_network.py's call_unet does: latents, integer timesteps, 77
+    tokens of CLIP-L's 768 features."""
+    _sd_scripts_path()
+    from library import model_util, original_unet
+
+    batch, res = batch or 4, res or 512
+    x = torch.randn(batch, original_unet.IN_CHANNELS, res // 8, res // 8, device=device, dtype=torch.bfloat16)
+    t = torch.randint(0, 1000, (batch,), device=device)
+    context = torch.randn(batch, 77, model_util.UNET_PARAMS_CONTEXT_DIM, device=device, dtype=torch.bfloat16)
+
+    def make() -> nn.Module:
+        model = original_unet.UNet2DConditionModel(**model_util.create_unet_diffusers_config(v2=False))
+        model.set_use_sdpa(True)
+        return model
+
+    spec = SdScriptsModel(
+        f"sd-scripts SD 1.x U-Net (model channels {model_util.UNET_PARAMS_MODEL_CHANNELS}), batch {batch}, "
+        f"{res}x{res}, lora",
+        make,
+        "lora",
+        1,
+        lambda module: module(x, t, context).sample,
+        x,
+        [context],
+    )
+    return _sd_scripts_bench(spec, device, lora_rank, options)
+
+
 def sdscripts_sd3(
     device: str, lora_rank: int, batch: int | None, res: int | None, options: SdScriptsOptions = SdScriptsOptions()
 ) -> BenchModel:
@@ -487,6 +520,7 @@ MODELS: dict[str, Callable[..., BenchModel]] = {  # (device, lora_rank, batch, r
     "sdscripts-lumina2": sdscripts_lumina2,
     "sdscripts-flux": sdscripts_flux,
     "sdscripts-sdxl": sdscripts_sdxl,
+    "sdscripts-sd15": sdscripts_sd15,
     "sdscripts-sd3": sdscripts_sd3,
 }
 # The models --fp8-base and --blocks-to-swap apply to (their builders take SdScriptsOptions).
