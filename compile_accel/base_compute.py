@@ -22,14 +22,14 @@ too).
 Where: RegionBackend rewrites each `linear` call in dynamo's graph of a region whose weight is a
 frozen nn.Linear of that region (`rewrite_base_linears`): a plain Linear, the base a kohya-style
 LoRA calls through its saved `org_forward`, peft's `base_layer`, all of which reach F.linear with
-that weight. The call becomes `int8_linear` or `fp8_linear` before AOTAutograd, so every compile path (in this
-process, compile workers, precompile, auto's traced step) gets the same graph, and the LoRA path,
-trainable, stays in its dtype. In it the activations (forward), the output gradients (backward)
-and the weight are quantized with torch ops the compiler fuses into the kernels around them; the
-int8 products run in `compile_accel::scaled_int8_mm`, one kernel with the scales applied
-(compile_accel.int8_matmul), the fp8 ones in `torch._scaled_mm`. A call whose layer cannot run in
-8 bits stays as it was, and the
-reason is recorded (`BaseLinears.summary`, in `stats()["base_compute"]`).
+that weight. The call becomes `int8_linear` or `fp8_linear` before AOTAutograd, so every compile
+path (in this process, compile workers, precompile, auto's traced step) gets the same graph, and
+the LoRA path, trainable, stays in its dtype. In it the activations (forward), the output
+gradients (backward) and the weight are quantized with torch ops the compiler fuses into the
+kernels around them; the int8 products run in `compile_accel::scaled_int8_mm`, one kernel with the
+scales applied (compile_accel.int8_matmul), the fp8 ones in `torch._scaled_mm`. A call whose layer
+cannot run in 8 bits stays as it was, and the reason is recorded (`BaseLinears.summary`, in
+`stats()["base_compute"]`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import importlib.metadata
 import inspect
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx
@@ -85,30 +85,9 @@ def base_compute_refusal(compute: str | None, devices: set[torch.device]) -> str
     return None
 
 
-def _quantized_rows(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`values` as rows of their last dimension, quantized per row."""
+def _int8_rows(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`values` as rows of their last dimension, quantized per row to int8."""
     return quantize_int8(values.reshape(-1, values.shape[-1]))
-
-
-class _Int8Linear(torch.autograd.Function):
-    """F.linear(x, weight, bias) of a frozen weight, with both of its matmuls in int8; the
-    gradient goes to x alone (rewrite_base_linears rewrites no call whose weight or bias trains).
-    Everything but the products is torch ops, which the compiler fuses into the kernels around."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype):
-        ctx.save_for_backward(weight)
-        ctx.in_dtype = x.dtype
-        out = scaled_int8_mm(*_quantized_rows(x), *quantize_int8(weight), bias, out_dtype)
-        return out.reshape(*x.shape[:-1], weight.shape[0])
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):
-        (weight,) = ctx.saved_tensors
-        # dX = dY·W: W quantized per input channel, so that its scales factor out of the sum.
-        weight_by_input = quantize_int8(weight.t().contiguous())
-        grad_x = scaled_int8_mm(*_quantized_rows(grad), *weight_by_input, None, ctx.in_dtype)
-        return grad_x.reshape(*grad.shape[:-1], weight.shape[1]), None, None, None
 
 
 FP8 = torch.float8_e4m3fn
@@ -133,30 +112,63 @@ def _fp8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _scaled_fp8_mm(
-    a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, bias: torch.Tensor | None
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """(a · bᵀ) * a_scale * b_scale (+ bias) in bf16, the one output type of torch._scaled_mm's
-    row-wise scaling: a (m x k) and b (n x k) row-major float8_e4m3fn, a_scale (m x 1), b_scale (1 x n)."""
+    """(a · bᵀ) * a_scale * b_scale (+ bias) in out_dtype: a (m x k) and b (n x k) row-major
+    float8_e4m3fn, a_scale (m x 1), b_scale (1 x n). Computed in bf16, the one output type of
+    torch._scaled_mm's row-wise scaling."""
     bias = None if bias is None else bias.to(torch.bfloat16)
-    return torch._scaled_mm(a, b.t(), scale_a=a_scale, scale_b=b_scale, bias=bias, out_dtype=torch.bfloat16)
+    out = torch._scaled_mm(a, b.t(), scale_a=a_scale, scale_b=b_scale, bias=bias, out_dtype=torch.bfloat16)
+    return out.to(out_dtype)
 
 
-class _Fp8Linear(torch.autograd.Function):
-    """_Int8Linear's products in float8_e4m3fn (torch._scaled_mm): the output gradient in e4m3 too,
-    its range kept by the per-row scale."""
+@dataclass(frozen=True)
+class _Format:
+    """How one 8-bit format quantizes and multiplies: rows (activations, output gradients) and a
+    weight's rows to (values, scales), and the product (a, a_scale, b, b_scale, bias, out_dtype)."""
 
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype):
-        ctx.save_for_backward(weight)
-        ctx.in_dtype = x.dtype
-        out = _scaled_fp8_mm(*_fp8_rows(x), *_fp8_weight(weight), bias).to(out_dtype)
-        return out.reshape(*x.shape[:-1], weight.shape[0])
+    rows: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    weight: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    product: Callable[..., torch.Tensor]
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):
-        (weight,) = ctx.saved_tensors
-        grad_x = _scaled_fp8_mm(*_fp8_rows(grad), *_fp8_weight(weight.t().contiguous()), None).to(ctx.in_dtype)
-        return grad_x.reshape(*grad.shape[:-1], weight.shape[1]), None, None, None
+
+FORMATS = {
+    "int8": _Format(_int8_rows, quantize_int8, scaled_int8_mm),  # int32 sums, scales applied in the kernel
+    "fp8": _Format(_fp8_rows, _fp8_weight, _scaled_fp8_mm),  # e4m3, the output gradient too
+}
+
+
+def _linear_function(compute: str) -> type[torch.autograd.Function]:
+    """F.linear(x, weight, bias) of a frozen weight, with both of its matmuls in the 8-bit format
+    `compute`; the gradient goes to x alone (rewrite_base_linears rewrites no call whose weight or
+    bias trains). Everything but the products is torch ops, which the compiler fuses into the
+    kernels around."""
+    form = FORMATS[compute]
+
+    class Linear8Bit(torch.autograd.Function):
+        @staticmethod
+        def forward(
+            ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+        ) -> torch.Tensor:
+            ctx.save_for_backward(weight)
+            ctx.in_dtype = x.dtype
+            out = form.product(*form.rows(x), *form.weight(weight), bias, out_dtype)
+            return out.reshape(*x.shape[:-1], weight.shape[0])
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+            (weight,) = ctx.saved_tensors
+            # dX = dY·W: W quantized per input channel, so that its scales factor out of the sum.
+            grad_x = form.product(*form.rows(grad), *form.weight(weight.t().contiguous()), None, ctx.in_dtype)
+            return grad_x.reshape(*grad.shape[:-1], weight.shape[1]), None, None, None
+
+    Linear8Bit.__name__ = Linear8Bit.__qualname__ = f"{compute.capitalize()}Linear"
+    return Linear8Bit
 
 
 def _implementation_hash() -> str:
@@ -187,9 +199,8 @@ def _define_linear(name: str, function: type[torch.autograd.Function]) -> Any:
 
 
 # The calls rewrite_base_linears puts in place of base Linears', by CompileConfig.base_compute.
-int8_linear = _define_linear("int8_linear", _Int8Linear)
-fp8_linear = _define_linear("fp8_linear", _Fp8Linear)
-LINEARS = {"int8": int8_linear, "fp8": fp8_linear}
+LINEARS = {compute: _define_linear(f"{compute}_linear", _linear_function(compute)) for compute in FORMATS}
+int8_linear, fp8_linear = LINEARS["int8"], LINEARS["fp8"]
 
 
 @dataclass
@@ -225,8 +236,8 @@ class BaseLinears:
         self.outcomes.setdefault(key, set()).add(outcome)
 
     def summary(self) -> dict[str, Any]:
-        """`compute`, `base_linears` (how many), `in_8_bits` (how many run in 8 bits in every compiled
-        graph that reached them), `stayed` (layer name -> why it runs in its own dtype) and
+        """`compute`, `base_linears` (how many), `in_8_bits` (how many a compiled graph runs in 8
+        bits), `stayed` (layer name -> why it runs in its own dtype) and
         `accuracy` (region class -> its first training call's comparison with its own dtype). A layer
         whose class has graphs of both kinds counts in `in_8_bits` and is in `stayed` as well."""
         stayed, in_8_bits = {}, 0
