@@ -232,6 +232,32 @@ SD3_MEDIUM: dict = dict(
     model_type="medium",
 )
 SD3_CONFIG: dict = {}
+# Anima (Cosmos-Predict2 2B with its LLM adapter), as anima_utils.load_anima_model builds it from
+# its checkpoint; the adapter turns Qwen3-0.6B's hidden states (QWEN3_FEATURES) into T5 tokens'
+# embeddings for the blocks' cross-attention. Tests swap in small ones.
+ANIMA_CONFIG: dict = dict(
+    max_img_h=512,
+    max_img_w=512,
+    max_frames=128,
+    in_channels=16,
+    out_channels=16,
+    patch_spatial=2,
+    patch_temporal=1,
+    concat_padding_mask=True,
+    model_channels=2048,
+    num_blocks=28,
+    num_heads=16,
+    crossattn_emb_channels=1024,
+    pos_emb_cls="rope3d",
+    pos_emb_learnable=True,
+    use_adaln_lora=True,
+    adaln_lora_dim=256,
+    rope_h_extrapolation_ratio=4.0,
+    rope_w_extrapolation_ratio=4.0,
+    rope_enable_fps_modulation=False,
+    use_llm_adapter=True,
+)
+QWEN3_FEATURES = 1024
 
 
 @dataclass(frozen=True)
@@ -511,6 +537,43 @@ def sdscripts_sd3(
     return _sd_scripts_bench(spec, device, lora_rank, options)
 
 
+def sdscripts_anima(
+    device: str, lora_rank: int, batch: int | None, res: int | None, options: SdScriptsOptions = SdScriptsOptions()
+) -> BenchModel:
+    """kohya sd-scripts' Anima (library/anima_models.py) at full size (ANIMA_CONFIG), random
+    weights, its own LoRA (networks/lora_anima.py, the DiT's blocks), called as
+    anima_train_network.py calls it: one-frame latents, timesteps in [0, 1], Qwen3's hidden states
+    of 512 tokens through the LLM adapter with 512 T5 token ids, a zero padding mask."""
+    _sd_scripts_path()
+    from library import anima_models
+
+    batch, res = batch or 2, res or 1024
+    x = torch.randn(batch, 16, 1, res // 8, res // 8, device=device, dtype=torch.bfloat16)
+    t = torch.rand(batch, device=device)
+    qwen3 = torch.randn(batch, 512, QWEN3_FEATURES, device=device, dtype=torch.bfloat16)
+    t5_ids = torch.randint(0, 32128, (batch, 512), device=device)
+    tokens = torch.ones(batch, 512, dtype=torch.long, device=device)  # attention masks: no padding
+    padding = torch.zeros(batch, 1, res // 8, res // 8, device=device, dtype=torch.bfloat16)
+    spec = SdScriptsModel(
+        f"sd-scripts Anima (model channels {ANIMA_CONFIG['model_channels']}), batch {batch}, {res}x{res}, lora_anima",
+        lambda: anima_models.Anima(**ANIMA_CONFIG),
+        "lora_anima",
+        1,
+        lambda module: module(
+            x,
+            t,
+            qwen3,
+            padding_mask=padding,
+            target_input_ids=t5_ids,
+            target_attention_mask=tokens,
+            source_attention_mask=tokens,
+        ),
+        x,
+        [qwen3],
+    )
+    return _sd_scripts_bench(spec, device, lora_rank, options)
+
+
 MODELS: dict[str, Callable[..., BenchModel]] = {  # (device, lora_rank, batch, res) -> BenchModel
     "tiny": tiny,
     "lumina2": lumina2,
@@ -522,7 +585,8 @@ MODELS: dict[str, Callable[..., BenchModel]] = {  # (device, lora_rank, batch, r
     "sdscripts-sdxl": sdscripts_sdxl,
     "sdscripts-sd15": sdscripts_sd15,
     "sdscripts-sd3": sdscripts_sd3,
+    "sdscripts-anima": sdscripts_anima,
 }
 # The models --fp8-base and --blocks-to-swap apply to (their builders take SdScriptsOptions).
 SD_SCRIPTS_MODELS = sorted(name for name in MODELS if name.startswith("sdscripts-"))
-BLOCK_SWAP_MODELS = ["sdscripts-flux", "sdscripts-lumina2", "sdscripts-sd3"]  # the SDXL U-Net has no enable_block_swap
+BLOCK_SWAP_MODELS = ["sdscripts-anima", "sdscripts-flux", "sdscripts-lumina2", "sdscripts-sd3"]  # the SDXL U-Net has no enable_block_swap

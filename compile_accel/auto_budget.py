@@ -66,19 +66,17 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.utils._pytree as pytree
 
 from . import compile_workers
-from .autograd_graph import accumulating_leaves
+from .autograd_graph import accumulating_leaves, differentiable_outputs
 from .cache_files import cache_dir, run_inputs, run_key, write_atomically
-from .memory import SavedActivationMeter
+from .memory import GIB, SavedActivationMeter, dedicated_bytes
 from .saved_bytes import SavedBytesEstimate
 from .stats import Stats, warn
 
 logger = logging.getLogger("compile_accel")
 
 CANDIDATES = (0.0, 0.1, 0.3, 0.5, 0.7, 1.0)
-GIB = 2**30
 
 
 @dataclass(frozen=True)
@@ -129,10 +127,12 @@ def choose(measurements: Iterable[Measurement], limit_bytes: int) -> tuple[Measu
 
 def default_limit_bytes(device: torch.device) -> int:
     """What this process may use: the GPU's free memory plus what torch already reserved (at
-    most the per-process memory fraction's share of the card, as `--vram-cap-gib` sets it), less
-    a margin (1 GiB or 5% of that, the larger) for fragmentation and the optimizer."""
+    most the per-process memory fraction's share of the card, as `--vram-cap-gib` sets it, and
+    never more than the card's dedicated memory: memory.dedicated_bytes), less a margin (1 GiB or
+    5% of that, the larger) for fragmentation and the optimizer."""
     free, total = torch.cuda.mem_get_info(device)
-    usable = free + torch.cuda.memory_reserved(device)
+    # (A process that spilled already has reserved more than the card has.)
+    usable = min(free + torch.cuda.memory_reserved(device), dedicated_bytes(device))
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     if fraction is not None:
         usable = min(usable, int(fraction(device) * total))
@@ -534,8 +534,9 @@ class AutoBudget:
             return self._settle(cached, ladder, limit, cached=True)
 
         def run() -> None:
-            out = self.model(*args, **kwargs)
-            outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+            outputs = differentiable_outputs(self.model(*args, **kwargs))
+            if not outputs:
+                raise RuntimeError("the model's output holds no tensor that requires grad: there is no backward to time")
             loss = sum(t.float().square().mean() for t in outputs)
             # Every tensor backward accumulates into, found from the graph: kohya-style LoRA
             # weights are not parameters of the model.

@@ -5,8 +5,9 @@ mode "blocks": every block's forward.
 mode "selective": what runs inside each block's gradient checkpoint, in the largest pieces
 that hold no checkpoint call themselves, so the checkpoint wrapper stays eager:
 - a block whose forward checkpoints a method of its own (kohya sd-scripts:
-  `checkpoint(self._forward, ...)`, `checkpoint(create_custom_forward(self.forward_body), ...)`)
-  gets that method compiled: the block's whole body is one graph.
+  `checkpoint(self._forward, ...)`, `checkpoint(create_custom_forward(self.forward_body), ...)`,
+  Anima's `torch_checkpoint(...)` and `unsloth_checkpoint(...)`: any callee named `checkpoint` or
+  `..._checkpoint`) gets that method compiled: the block's whole body is one graph.
 - any other block gets its compute children compiled, found by the same rules: containers are
   looked into, and so is a child that the block never calls but uses through its children
   (sd-scripts' Flux double block calls `self.img_attn.qkv(...)`, never `self.img_attn(...)`).
@@ -84,8 +85,8 @@ def _self_attribute(node: ast.AST) -> str | None:
 
 @functools.cache
 def checkpoint_body(cls: type) -> str | None:
-    """The method of `cls` that its forward hands to a `checkpoint(...)` call, directly or
-    through a wrapper call (`checkpoint(create_custom_forward(self.forward_body), ...)`)."""
+    """The method of `cls` that its forward hands to a `checkpoint(...)` (or `..._checkpoint(...)`)
+    call, directly or through a wrapper call (`checkpoint(create_custom_forward(self.forward_body), ...)`)."""
     tree = _parsed(cls.forward)
     if tree is None:
         return None
@@ -93,7 +94,7 @@ def checkpoint_body(cls: type) -> str | None:
         if not isinstance(node, ast.Call) or not node.args:
             continue
         callee = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
-        if callee != "checkpoint":
+        if not (callee == "checkpoint" or str(callee).endswith("_checkpoint")):
             continue
         first = node.args[0]
         candidates = [first, *first.args] if isinstance(first, ast.Call) else [first]

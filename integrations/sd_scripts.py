@@ -50,10 +50,11 @@ from compile_accel.compile_cache import RunCompileCache
 from compile_accel.config import CUDA_GRAPH_MODES, cuda_graph_refusal
 from compile_accel.dynamo_settings import HAS_BUDGET_KNOB, HAS_CACHE_ARTIFACTS, cpp_compiler
 from compile_accel.first_step import end_first_step
-from compile_accel.memory import gib_argument
+from compile_accel.memory import gib_argument, spill_warning
 from compile_accel.patching import ModuleFunctionPatch
 from compile_accel.preload import start_preloading, wait_for_preload
 from compile_accel.rotary import real_table, rotate_interleaved
+from compile_accel.stats import warn
 
 SELECTIVE_ENV = "SDSCRIPTS_SELECTIVE_TORCH_COMPILE"
 BUDGET_ENV = "SDSCRIPTS_TORCH_COMPILE_ACTIVATION_MEMORY_BUDGET"
@@ -236,6 +237,42 @@ def _prepare_lumina(model: nn.Module) -> Undo:
     return undo
 
 
+def _sdpa_on_whole_sequences(original: Callable) -> Callable:
+    """Stand-in for sd-scripts' library.attention.attention: PyTorch SDPA without a mask or a
+    per-sample split (Anima's blocks: --attn_mode torch) in code dynamo traces. The original
+    deletes names its comprehensions capture, a bytecode dynamo does not handle: each call broke a
+    compiled block in pieces. Every other case goes to the original."""
+
+    def attention(
+        qkv_or_q: torch.Tensor | list,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
+        attn_params: Any = None,
+        drop_rate: float = 0.0,
+    ) -> torch.Tensor:
+        params = attn_params
+        if params is not None and (params.attn_mode != "torch" or params.split_attn or params.attention_mask is not None):
+            return original(qkv_or_q, k, v, attn_params, drop_rate)
+        if isinstance(qkv_or_q, list):
+            q, k, v = qkv_or_q
+            qkv_or_q.clear()  # as the original: the caller's list no longer holds them
+        else:
+            q = qkv_or_q
+        # (batch, tokens, heads, head_dim) in and (batch, tokens, heads * head_dim) out
+        x = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=drop_rate)
+        return x.transpose(1, 2).flatten(2)
+
+    return attention
+
+
+_ANIMA_ATTENTION = ModuleFunctionPatch("library.attention", "attention", _sdpa_on_whole_sequences)
+
+
+def _prepare_anima(model: nn.Module) -> Undo:
+    _ANIMA_ATTENTION.install()
+    return _ANIMA_ATTENTION.uninstall
+
+
 # Keyed by class name; only classes defined in sd-scripts' library/ are looked up. The models
 # with block swap (the most blocks each accepts) climb it under auto.
 FAMILIES: dict[str, ModelAdapter] = {
@@ -246,6 +283,11 @@ FAMILIES: dict[str, ModelAdapter] = {
     ),
     "Flux": ModelAdapter(("double_blocks", "single_blocks"), offload_ladder=block_swap_ladder(_flux_most_swapped)),
     "MMDiT": ModelAdapter(("joint_blocks",), offload_ladder=block_swap_ladder(lambda model: model.num_blocks - 2)),
+    # Anima: its DiT blocks (selective compiles the body each of its three checkpoints runs); the
+    # LLM adapter's blocks, which run once a step without gradients, stay eager.
+    "Anima": ModelAdapter(
+        ("blocks",), prepare=_prepare_anima, offload_ladder=block_swap_ladder(lambda model: model.num_blocks - 2)
+    ),
     # U-Nets: every layer the model's loop calls (ResBlocks, transformers, down/upsamplers). SD
     # 1.x's compile per size: with automatic dynamic shapes 3 of its 24 graphs (train_network.py,
     # 128x128, torch 2.14) were symbolic ones specialized again to a size by AOTAutograd's cache
@@ -521,6 +563,8 @@ class Launch:
         self.acceleration: Acceleration | None = None
         self.compile_cache: RunCompileCache | None = None
         self._reported_first_step = False
+        self._can_swap_blocks = False  # the trained model has sd-scripts' block swap
+        self._warned_of_spill = False
         # Graphs out in the compile workers at the first step: once as many are back and running
         # compiled, the run's cache file is saved again (the first step's save lacks them).
         self._resave_after: int | None = None
@@ -558,6 +602,7 @@ class Launch:
 
     def accelerate(self, model: nn.Module, device: torch.device) -> None:
         """Accelerate the run's model, once, if the flags asked for it."""
+        self._can_swap_blocks = hasattr(model, "enable_block_swap")
         if self.config is None or self.acceleration is not None:
             return
         wait_for_preload()  # _missing_compiler imports triton and inductor's C++ builder
@@ -592,9 +637,14 @@ class Launch:
             )
         atexit.register(self.report)
 
-    def step_done(self) -> None:
-        """After every backward: the first step's report, then the run's cache file saved again
-        once the graphs that were in the compile workers at the first step run compiled."""
+    def step_done(self, device: torch.device) -> None:
+        """After every backward: a warning if the step spilled out of the GPU's memory; the first
+        step's report, then the run's cache file saved again once the graphs that were in the
+        compile workers at the first step run compiled."""
+        if device.type == "cuda" and not self._warned_of_spill:
+            self._warn_of_spill(device)
+        if self.acceleration is None:
+            return
         if not self._reported_first_step:
             self.first_step_done()
         elif (
@@ -603,6 +653,19 @@ class Launch:
             and self._auto_waiting_for() is None
         ):
             self._resave()
+
+    def _warn_of_spill(self, device: torch.device) -> None:
+        """Once a run: the step reserved more than the GPU has (memory.spill_warning), and the flag
+        that keeps it within."""
+        if self.config is not None and self.config.activation_memory_budget == "auto":
+            fix = "a lower --vram_limit_gib than auto's (the first step's report says which) leaves the rest more room"
+        else:
+            swapping = ", swapping more blocks where no budget fits" if self._can_swap_blocks else ""
+            fix = f"--activation_memory_budget auto keeps the steps within the GPU's memory{swapping}"
+        message = spill_warning(device, fix)
+        if message is not None:
+            self._warned_of_spill = True
+            warn(message)
 
     def _auto_waiting_for(self) -> str | None:
         """What auto's calibration waits for from the compile workers, if anything."""
@@ -740,7 +803,7 @@ def _install_hooks(launch: Launch) -> None:
 
     def backward_reported(accelerator: Accelerator, *args: Any, **kwargs: Any) -> Any:
         result = backward(accelerator, *args, **kwargs)
-        launch.step_done()
+        launch.step_done(accelerator.device)
         return result
 
     train_util.add_training_arguments = add_training_arguments_and_ours

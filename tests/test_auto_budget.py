@@ -35,6 +35,41 @@ from compile_accel.stats import Stats
 BACKEND = "aot_eager_decomp_partition"
 
 
+@pytest.mark.parametrize(
+    "free_gib, reserved_gib, limit_gib",
+    [
+        (10.0, 4.0, 13.0),  # what is free and what this process holds, less 1 GiB
+        (20.0, 10.0, 24.0 - 1.2),  # spilled (Windows): the GPU's 24 GiB, less 5% of it
+    ],
+)
+def test_the_default_limit_is_free_and_reserved_memory_never_past_the_gpus_own(
+    monkeypatch: pytest.MonkeyPatch, free_gib: float, reserved_gib: float, limit_gib: float
+) -> None:
+    from types import SimpleNamespace
+
+    from compile_accel.auto_budget import default_limit_bytes
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(free_gib * GIB), 24 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: int(reserved_gib * GIB))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(total_memory=24 * GIB))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 1.0, raising=False)
+    assert default_limit_bytes(torch.device("cuda", 0)) == pytest.approx(limit_gib * GIB, abs=1)
+
+
+def test_auto_times_the_backward_of_every_differentiable_output_also_inside_plain_objects() -> None:
+    """What auto's timed step sums into its loss: the tensors requiring grad in tuples, dicts and
+    in a plain object's attributes (sd-scripts' SD 1.x U-Net returns one), not the others."""
+    from types import SimpleNamespace
+
+    from compile_accel.autograd_graph import differentiable_outputs
+
+    weight = torch.randn(3, requires_grad=True)
+    a, b, c = weight * 2, weight + 1, weight.sum()
+    output = (SimpleNamespace(sample=a, steps=4, mask=torch.ones(3)), {"extra": [b, torch.zeros(2)]}, c)
+    assert [id(t) for t in differentiable_outputs(output)] == [id(a), id(b), id(c)]
+    assert differentiable_outputs(SimpleNamespace(sample=torch.ones(2))) == []
+
+
 def test_choose_fastest_within_the_limit() -> None:
     table = [Measurement(0.0, 1.0, 5), Measurement(0.5, 0.7, 8), Measurement(1.0, 0.5, 12)]
     assert choose(table, 10) == (table[1], True)

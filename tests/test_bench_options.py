@@ -288,6 +288,7 @@ def small_sd_scripts(monkeypatch):
     except ImportError as error:
         pytest.skip(f"sd-scripts' library does not import here: {error}")
     sys.path.insert(0, str(Path(__file__).parent))
+    from sd_scripts_small_anima import ANIMA_SHAPES, SMALL_ADAPTER, SMALL_ANIMA, small_llm_adapter
     from sd_scripts_small_lumina import small_nextdit
     from sd_scripts_small_sd15 import small_factories
 
@@ -301,6 +302,11 @@ def small_sd_scripts(monkeypatch):
         monkeypatch.setattr(owner, name, value)
     small_lumina = lambda: small_nextdit(n_layers=4, cap_feat_dim=2304)  # noqa: E731 - the builder's captions
     monkeypatch.setattr(lumina_models, "NextDiT_2B_GQA_patch2_Adaln_Refiner", small_lumina)
+    from library import anima_models
+
+    monkeypatch.setattr(models, "ANIMA_CONFIG", {**ANIMA_SHAPES, **SMALL_ANIMA})
+    monkeypatch.setattr(models, "QWEN3_FEATURES", SMALL_ADAPTER["source_dim"])
+    monkeypatch.setattr(anima_models, "LLMAdapter", small_llm_adapter)
 
 
 def _lora_step(bench: models.BenchModel) -> tuple[float, list[torch.Tensor]]:
@@ -345,7 +351,7 @@ SWAP_ON_CPU = [("sdscripts-flux", 2), ("sdscripts-lumina2", 2)]
 
 
 @pytest.mark.parametrize(
-    "name", ["sdscripts-flux", "sdscripts-sd3", "sdscripts-lumina2", "sdscripts-sdxl", "sdscripts-sd15"]
+    "name", ["sdscripts-flux", "sdscripts-sd3", "sdscripts-lumina2", "sdscripts-sdxl", "sdscripts-sd15", "sdscripts-anima"]
 )
 def test_sd_scripts_bench_model_trains_its_lora(small_sd_scripts, name: str) -> None:
     bench = _build(name, SdScriptsOptions())

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import textwrap
 import types
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -37,6 +38,7 @@ from compile_accel.integrations import sd_scripts as accel
 SD_SCRIPTS_DIR = os.environ.get("SD_SCRIPTS_DIR")
 TOLERANCE = 1e-4
 BLOCKS = CompileConfig(mode="blocks", activation_memory_budget=0.5)
+CPU = torch.device("cpu")
 CONFIGS = pytest.mark.parametrize(
     "config", [BLOCKS, CompileConfig(mode="selective")], ids=["blocks-budget-0.5", "selective"]
 )
@@ -529,6 +531,52 @@ def test_the_first_step_says_whether_the_runs_compiled_graphs_were_loaded(capsys
     assert cache == f"not yet in {path}" + (", saved there" if path.is_file() else "")
 
 
+def _gpu_memory(monkeypatch: pytest.MonkeyPatch, reserved_gib: float, dedicated_gib: float) -> None:
+    """A GPU of `dedicated_gib` on which this process reserved `reserved_gib` (more: spilled)."""
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: int(reserved_gib * 2**30))
+    properties = SimpleNamespace(total_memory=int(dedicated_gib * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: properties)
+
+
+@pytest.mark.parametrize(
+    "budget, swaps, fix",
+    [
+        (None, True, "--activation_memory_budget auto keeps the steps within the GPU's memory, swapping more blocks"),
+        (0.5, False, "--activation_memory_budget auto keeps the steps within the GPU's memory"),
+        ("auto", True, "a lower --vram_limit_gib than auto's"),
+    ],
+)
+def test_a_step_that_spills_out_of_the_gpus_memory_is_warned_about_once_with_the_flag_that_fixes_it(
+    monkeypatch: pytest.MonkeyPatch, budget: float | str | None, swaps: bool, fix: str
+) -> None:
+    """Windows' driver keeps what passes the GPU's memory in shared system memory (50-100x slower
+    steps): a step whose reserved memory passes the dedicated memory is the sign."""
+    launch = accel.Launch()
+    launch.config = None if budget is None else CompileConfig(mode="blocks", activation_memory_budget=budget)
+    model = torch.nn.Linear(2, 2)
+    if swaps:
+        model.enable_block_swap = lambda count, device: None
+    monkeypatch.setattr(launch, "config", None)  # accelerate() compiles nothing here
+    launch.accelerate(model, torch.device("cpu"))
+    launch.config = None if budget is None else CompileConfig(mode="blocks", activation_memory_budget=budget)
+    cuda = torch.device("cuda", 0)
+    _gpu_memory(monkeypatch, reserved_gib=23.9, dedicated_gib=24.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        launch.step_done(cuda)  # within: nothing said
+    _gpu_memory(monkeypatch, reserved_gib=25.5, dedicated_gib=24.0)
+    with pytest.warns(RuntimeWarning) as caught:
+        launch.step_done(cuda)
+        launch.step_done(cuda)
+    (message,) = [str(w.message) for w in caught]
+    assert message.startswith(
+        "compile_accel: this process reserved 25.5 GiB of GPU memory, more than the 24.0 GiB the GPU has: Windows' "
+        "driver keeps the rest in shared system memory, where steps run 50-100x slower"
+    )
+    assert message.endswith(fix) or fix in message
+    assert ("swapping more blocks" in message) == (swaps and budget != "auto")
+
+
 def test_the_first_step_reports_compile_time_once(capsys: pytest.CaptureFixture) -> None:
     model = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
     launch = accel.Launch()
@@ -619,9 +667,9 @@ def test_the_runs_compiled_graphs_are_saved_again_once_the_workers_graphs_run_co
     monkeypatch.setattr(launch.compile_cache, "save", lambda: saves.append(1) or 100)
     stats = launch.acceleration._stats
     stats.worker_graphs_started = 2
-    launch.step_done()  # the first step: saved, both graphs still in the workers
+    launch.step_done(CPU)  # the first step: saved, both graphs still in the workers
     stats.worker_graphs_compiled = 1
-    launch.step_done()  # one still out
+    launch.step_done(CPU)  # one still out
     assert saves == [1]
     path = launch.compile_cache.path
     if ends_early:  # the run ends first: saved at exit with what is back
@@ -630,8 +678,8 @@ def test_the_runs_compiled_graphs_are_saved_again_once_the_workers_graphs_run_co
     else:
         stats.worker_failures = ["graph 1/0: failed"]  # compiled here instead: none is out
         stats.worker_graphs_started = 3  # a new shape's graph, after the first step: not waited for
-        launch.step_done()
-        launch.step_done()
+        launch.step_done(CPU)
+        launch.step_done(CPU)
         launch.report()
         again = f"1 of 3 graphs from the compile workers run compiled; compiled graphs saved to {path}"
     assert saves == [1, 1]
@@ -657,18 +705,18 @@ def test_while_auto_measures_a_candidate_from_the_workers_the_cache_waits_and_an
     launch.compile_cache._first_forward(model, (torch.randn(1, 2),), {})
     saves = []
     monkeypatch.setattr(launch.compile_cache, "save", lambda: saves.append(1) or 100)
-    launch.step_done()  # the first step: no graph in the workers, auto's partitions are
+    launch.step_done(CPU)  # the first step: no graph in the workers, auto's partitions are
     err = capsys.readouterr().err
     assert f"auto goes on once {partitions} are back from the compile workers" in err
     assert "(again once auto has chosen)" in err
     stats.worker_graphs_started, auto.waiting_for = 2, "the graphs of budget 0.7"  # back: 0.7 handed over
-    launch.step_done()
+    launch.step_done(CPU)
     stats.worker_graphs_started, stats.worker_graphs_compiled = 4, 2  # 0.7 over: 0.5 handed over
     auto.waiting_for = "the graphs of budget 0.5"
-    launch.step_done()
+    launch.step_done(CPU)
     assert saves == [1]  # 0.5's graphs are not in it yet
     auto.waiting_for, stats.worker_graphs_compiled = None, 4  # 0.5 measured and chosen
-    launch.step_done()
+    launch.step_done(CPU)
     assert saves == [1, 1]
     auto.waiting_for = "the graphs of budget 0.3"  # (as if a run ended while a candidate was in the workers)
     launch.report()
@@ -804,16 +852,32 @@ def _sd3_inputs() -> tuple:
     return torch.randn(2, 4, 16, 16), torch.rand(2) * 1000, torch.randn(2, 16), torch.randn(2, 8, 32)
 
 
+def _anima() -> torch.nn.Module:
+    from sd_scripts_small_anima import ANIMA_SHAPES, small_anima
+
+    return small_anima(**{**ANIMA_SHAPES, "use_llm_adapter": False})  # (the adapter runs before the blocks)
+
+
+def _anima_inputs() -> tuple:
+    """Latents (batch, channels, frames, height, width), timesteps, caption states, no fps and a
+    padding mask; the latents and captions require grad, as anima_train_network.py makes them under
+    gradient checkpointing (Unsloth's checkpoint passes gradients only to inputs that do)."""
+    latents, captions = torch.randn(2, 16, 1, 8, 8, requires_grad=True), torch.randn(2, 5, 32, requires_grad=True)
+    return latents, torch.rand(2), captions, None, torch.zeros(2, 1, 8, 8)
+
+
 MODELS = {
     "lumina2": (_lumina, _lumina_inputs, "networks.lora_lumina", 1),
     "flux": (_flux, _flux_inputs, "networks.lora_flux", 2),
     "sd3": (_sd3, _sd3_inputs, "networks.lora_sd3", 3),
+    "anima": (_anima, _anima_inputs, "networks.lora_anima", 1),
 }
 
 
-def _with_lora(name: str, **build) -> tuple[torch.nn.Module, torch.nn.Module]:
+def _with_lora(name: str, checkpointing: dict | None = None, **build) -> tuple[torch.nn.Module, torch.nn.Module]:
     """The model, frozen, with sd-scripts' own LoRA network applied (random up weights, so
-    LoRA changes the output), gradient checkpointing on, in training mode."""
+    LoRA changes the output), gradient checkpointing on (with the model's `checkpointing`
+    options), in training mode."""
     import importlib
 
     make, _, network_module, text_encoders = MODELS[name]
@@ -830,7 +894,7 @@ def _with_lora(name: str, **build) -> tuple[torch.nn.Module, torch.nn.Module]:
                 torch.nn.init.normal_(up.weight, std=0.05)
     network.requires_grad_(True)
     model.train()
-    model.enable_gradient_checkpointing()
+    model.enable_gradient_checkpointing(**(checkpointing or {}))
     return model, network
 
 
@@ -983,6 +1047,53 @@ def test_sd3_selective_compiles_the_checkpointed_body_of_each_joint_block(sd_scr
     assert stats["regions"] == stats["compiled_regions"] == len(model.joint_blocks)
     assert stats["unique_graphs"] > 0 and stats["uncalled_regions"] == []
     assert all("_forward" in vars(block) and "forward" not in vars(block) for block in model.joint_blocks)
+
+
+def test_anima_blocks_compile_whole_and_train_as_eager(sd_scripts: Path) -> None:
+    """Anima's attention goes through sd-scripts' library.attention.attention, which dynamo cannot
+    trace (8 graph breaks a block): the adapter's stand-in makes each block one graph."""
+    model, network = _with_lora("anima")
+    stats = _assert_parity(model, network, BLOCKS, _anima_inputs).stats()
+    assert stats["regions"] == len(model.blocks) and stats["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("checkpointing", [{}, {"cpu_offload": True}, {"unsloth_offload": True}])
+def test_anima_selective_compiles_the_body_each_of_its_checkpoints_runs(sd_scripts: Path, checkpointing: dict) -> None:
+    """Anima's blocks checkpoint `_forward` three ways (torch's checkpoint, with the activations
+    on the CPU, Unsloth's offloading autograd function): selective compiles that body in each."""
+    model, network = _with_lora("anima", checkpointing)
+    stats = _assert_parity(model, network, CompileConfig(mode="selective"), _anima_inputs).stats()
+    assert stats["regions"] == stats["compiled_regions"] == len(model.blocks) and stats["uncalled_regions"] == []
+    assert all("_forward" in vars(block) and "forward" not in vars(block) for block in model.blocks)
+
+
+def test_animas_attention_stand_in_gives_the_originals_values(sd_scripts: Path) -> None:
+    """The stand-in for sd-scripts' attention, on fresh random inputs: whole sequences under SDPA
+    (its own code), a per-sample split and a caption mask (the original's), each equal to the
+    original's result; the caller's list emptied as the original empties it."""
+    from library import attention
+
+    params = attention.AttentionParams
+    mask = torch.ones(2, 4)
+    mask[1, 3:] = 0
+    cases = [
+        None,
+        params.create_attention_params("torch", False),
+        params.create_attention_params("torch", True),
+        params.create_attention_params_from_mask("torch", False, 2, mask),
+    ]
+    before = attention.attention  # (the stand-in already, where an earlier test's model keeps it)
+    accel._ANIMA_ATTENTION.install()
+    try:
+        original, stand_in = accel._ANIMA_ATTENTION.original, attention.attention
+        for case in cases:
+            q, k, v = (torch.randn(2, 6, 3, 8) for _ in range(3))  # (batch, tokens, heads, head_dim)
+            qkv = [q, k, v]
+            torch.testing.assert_close(stand_in(qkv, attn_params=case), original([q, k, v], attn_params=case))
+            assert qkv == []
+    finally:
+        accel._ANIMA_ATTENTION.uninstall()
+    assert attention.attention is before
 
 
 def test_lora_state_dict_and_saved_file_keys_are_unchanged(sd_scripts: Path, tmp_path: Path) -> None:
