@@ -22,8 +22,13 @@ launcher does at the flags' parse); `stop` ends it where nothing will compile af
 
 A graph already in the caches (a restart) is not handed over: it loads here as without
 workers. A graph the caches cannot hold (AOTAutograd bypasses them: torch logs why), or whose
-compile in the worker failed, compiles here at its first call after, with a warning. torch's
-subprocess pool passes file descriptors to its children: not on Windows.
+compile in the worker failed, compiles here at its first call after, with a warning.
+
+The pool is torch's subprocess pool (one process of its own, whose children the workers are),
+except on Windows, where that pool cannot pass its pipes: there the workers are spawned
+processes of a ProcessPoolExecutor in this process (`_SpawnedPool`), which import the training
+script's `__main__` module again, as Windows' DataLoader workers do, so its start must be under
+`if __name__ == "__main__":` (sd-scripts' scripts are).
 
 A pool whose process exits though nobody stopped it (killed: an out-of-memory kill, `pkill -f
 compile_worker`; crashed) is found at the next hand-over, or within LIVENESS_CHECK_SECONDS by any
@@ -44,6 +49,7 @@ import atexit
 import concurrent.futures
 import contextlib
 import logging
+import multiprocessing
 import os
 import pickle
 import subprocess
@@ -52,6 +58,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any, Callable
 from unittest import mock
@@ -82,16 +89,11 @@ logger = logging.getLogger("compile_accel")
 
 # A worker writes AOTAutograd's cache entry only once it compiled the backward too: it needs
 # AOTAutograd's knob for compiling the backward with the forward.
-SUPPORTED = (
-    GraphPickler is not None
-    and hasattr(AOTAutogradCache, "try_load")
-    and HAS_EAGER_BACKWARD_KNOB
-    and sys.platform != "win32"
-)
-UNSUPPORTED_WHY = (
-    "needs torch's graph pickler and AOTAutograd's cache (torch >= 2.8) and its subprocess pool, "
-    "which does not run on Windows"
-)
+SUPPORTED = GraphPickler is not None and hasattr(AOTAutogradCache, "try_load") and HAS_EAGER_BACKWARD_KNOB
+UNSUPPORTED_WHY = "needs torch's graph pickler and AOTAutograd's cache (torch >= 2.8)"
+# Torch's subprocess pool hands its process pipes as inherited file descriptors, which Windows
+# has not: there the pool is _SpawnedPool.
+SPAWNED_POOL = sys.platform == "win32"
 
 # Never taken on the pool's reader thread: it runs the futures' callbacks while holding the
 # pool's own lock, which submit() takes.
@@ -170,18 +172,61 @@ def _running_pool() -> Any:
         # (Every training process on this host has workers: DDP's share the cores too.)
         processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         threads = str(max(1, (os.cpu_count() or 1) // (min(_count, GRAPHS_AT_ONCE) * processes)))
-        # Read by each worker's inductor when it is imported there; the pool's processes take the
-        # environment as it is now.
+        # Read by each worker's inductor when it is imported there; the processes take the
+        # environment as it is when they start: the pool's (and a _SpawnedPool's workers, at
+        # the submits that start them) here.
         with mock.patch.dict(os.environ, {"TORCHINDUCTOR_COMPILE_THREADS": threads}):
-            _pool = SubprocPool(_count, kind=SubprocKind.SPAWN)
-        _close_its_pipe_ends(_pool)
-        atexit.register(_pool.shutdown)
-        logger.info("started %d compile workers", _count)
-        # One per worker, as each starts (a worker may take two: the second costs nothing); not
-        # in _out, which is the graphs' jobs.
-        for _ in range(_count):
-            _pool.submit(_get_ready).add_done_callback(_log_not_ready)
+            _pool = _SpawnedPool(_count) if SPAWNED_POOL else SubprocPool(_count, kind=SubprocKind.SPAWN)
+            _close_its_pipe_ends(_pool)
+            atexit.register(_pool.shutdown)
+            logger.info("started %d compile workers", _count)
+            # One per worker, as each starts (a worker may take two: the second costs nothing);
+            # not in _out, which is the graphs' jobs.
+            for _ in range(_count):
+                _pool.submit(_get_ready).add_done_callback(_log_not_ready)
     return _pool
+
+
+class _SpawnedPool:
+    """The compile workers as spawned processes of a ProcessPoolExecutor in this process (Windows:
+    see the module docstring), with what this module uses of torch's SubprocPool: submit,
+    shutdown, running, and `process`, the workers watched as that pool's one process."""
+
+    def __init__(self, count: int) -> None:
+        self._executor = concurrent.futures.ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("spawn"))
+        self.process = _SpawnedWorkers(self._executor)
+
+    @property
+    def running(self) -> bool:
+        return not self._executor._broken  # (set once a worker exited unasked)
+
+    def submit(self, function: Callable, *args: Any) -> concurrent.futures.Future:
+        return self._executor.submit(function, *args)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+class _SpawnedWorkers:
+    """A _SpawnedPool's workers as one process (Popen's poll, wait, returncode and args): gone
+    once any worker exited; its exit code is that worker's (-1 where the executor broke without
+    one known)."""
+
+    args: tuple = ()  # (no pipe ends passed on: _close_its_pipe_ends has none to close)
+
+    def __init__(self, executor: concurrent.futures.ProcessPoolExecutor) -> None:
+        self._executor = executor
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        codes = [process.exitcode for process in list(self._executor._processes.values())]
+        exited = [code for code in codes if code is not None]
+        if self.returncode is None and (exited or self._executor._broken):
+            self.returncode = exited[0] if exited else -1
+        return self.returncode
+
+    def wait(self, timeout: float) -> int | None:
+        return self.poll()  # (the executor ends the others once one exits)
 
 
 def _close_its_pipe_ends(pool: Any) -> None:
@@ -234,7 +279,12 @@ def _lost_with_the_pool(error: BaseException) -> bool:
 
     with _lock:
         _check_alive()
-        return _workers_exited is not None and not isinstance(error, SubprocException)
+        if _workers_exited is None:
+            return False
+    # A worker's own error: SubprocPool wraps it; a _SpawnedPool passes it on as it was raised.
+    if SPAWNED_POOL:
+        return isinstance(error, (BrokenProcessPool, WorkersExited))
+    return not isinstance(error, SubprocException)
 
 
 def _compiles_here(message: str, pool_exited: bool) -> None:
@@ -283,7 +333,7 @@ def _submit(*args: Any) -> concurrent.futures.Future:
         pool = _running_pool()
         try:
             future = pool.submit(*args)
-        except OSError as error:  # its pipe closed: the process exited as this was written
+        except (OSError, BrokenProcessPool) as error:  # its process exited as this was written
             _give_up(pool)
             raise WorkersExited(_workers_exited) from error
         _out.append(future)

@@ -65,8 +65,8 @@ class CompileConfig:
         and per warm start, Lumina 2's and Flux's steps measured as fast (SDXL: see
         docs/behaviour.md). False compiles with inductor's defaults.
     compile_workers: 0 compiles each graph in this process, the step waiting for it. N > 0 hands
-        each graph's compile (AOTAutograd and inductor) to N worker processes (inductor only; not
-        on Windows): the step runs each graph uncompiled until it is back, and the graphs of every
+        each graph's compile (AOTAutograd and inductor) to N worker processes (inductor only; on
+        Windows spawned ones, see compile_accel.compile_workers): the step runs each graph uncompiled until it is back, and the graphs of every
         block class and shape compile at the same time (compile_accel.compile_workers). A graph
         with symbolic shapes (dynamic=True) compiles in this process. More than the CPU cores
         start one per core, with a warning.

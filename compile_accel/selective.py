@@ -7,7 +7,8 @@ that hold no checkpoint call themselves, so the checkpoint wrapper stays eager:
 - a block whose forward checkpoints a method of its own (kohya sd-scripts:
   `checkpoint(self._forward, ...)`, `checkpoint(create_custom_forward(self.forward_body), ...)`,
   Anima's `torch_checkpoint(...)` and `unsloth_checkpoint(...)`: any callee named `checkpoint` or
-  `..._checkpoint`) gets that method compiled: the block's whole body is one graph.
+  `..._checkpoint`; the method may be bound to a local name first, `forward_fn = self._forward`)
+  gets that method compiled: the block's whole body is one graph.
 - any other block gets its compute children compiled, found by the same rules: containers are
   looked into, and so is a child that the block never calls but uses through its children
   (sd-scripts' Flux double block calls `self.img_attn.qkv(...)`, never `self.img_attn(...)`).
@@ -90,6 +91,15 @@ def checkpoint_body(cls: type) -> str | None:
     tree = _parsed(cls.forward)
     if tree is None:
         return None
+    # Local names bound to a method first (HunyuanImage: `forward_fn = self._forward`, then
+    # `checkpoint(forward_fn, ...)`).
+    bound = {
+        target.id: node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign) and _self_attribute(node.value) is not None
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call) or not node.args:
             continue
@@ -99,7 +109,7 @@ def checkpoint_body(cls: type) -> str | None:
         first = node.args[0]
         candidates = [first, *first.args] if isinstance(first, ast.Call) else [first]
         for candidate in candidates:
-            name = _self_attribute(candidate)
+            name = _self_attribute(bound.get(getattr(candidate, "id", None), candidate))
             if name is not None and inspect.isfunction(getattr(cls, name, None)):
                 return name
     return None

@@ -64,8 +64,9 @@ class LaunchError(Exception):
     """The launcher cannot run this script as asked; the message says why."""
 
 
-def _flux_most_swapped(model: nn.Module) -> int:
-    """Flux swaps n // 2 double blocks and twice the rest in single blocks, keeping two of each."""
+def _double_single_most_swapped(model: nn.Module) -> int:
+    """Flux and HunyuanImage swap n // 2 double blocks and twice the rest in single blocks, keeping
+    two of each."""
     double, single = model.num_double_blocks, model.num_single_blocks
     return max(n for n in range(double + single) if n // 2 <= double - 2 and 2 * (n - n // 2) <= single - 2)
 
@@ -73,17 +74,17 @@ def _flux_most_swapped(model: nn.Module) -> int:
 # ---- block swap as auto's offload ladder -----------------------------------------------------
 
 
-def _set_blocks_to_swap(model: nn.Module, count: int, device: torch.device) -> None:
-    """sd-scripts' block swap at `count`, set up as the trainers do (enable_block_swap, then
-    prepare_block_swap_before_forward). The previous offloaders finish their moves and lose
-    their backward hooks first, so only the new ones act."""
+def _set_blocks_to_swap(model: nn.Module, count: int, device: torch.device, options: dict[str, Any]) -> None:
+    """sd-scripts' block swap at `count`, set up as the trainers do (enable_block_swap with the
+    trainer's `options`, then prepare_block_swap_before_forward). The previous offloaders finish
+    their moves and lose their backward hooks first, so only the new ones act."""
     for offloader in [v for v in vars(model).values() if hasattr(v, "remove_handles") and hasattr(v, "futures")]:
         for index in list(offloader.futures):
             offloader._wait_blocks_move(index)
         for handle in offloader.remove_handles:
             handle.remove()
         offloader.remove_handles.clear()
-    model.enable_block_swap(count, device)
+    model.enable_block_swap(count, device, **options)
     if count:
         model.prepare_block_swap_before_forward()
     else:
@@ -113,17 +114,18 @@ def _prepare_swap_after_no_grad_forwards(model: nn.Module) -> Undo:
     return undo
 
 
-def block_swap_ladder(most_swapped: Callable[[nn.Module], int]) -> ModelOffloadLadder:
+def block_swap_ladder(most_swapped: Callable[[nn.Module], int], **options: Any) -> ModelOffloadLadder:
     """A family's ModelAdapter.offload_ladder, given the most blocks its `enable_block_swap`
-    accepts: blocks swapped, from what the trainer set up (--blocks_to_swap, 0 without) to that
-    most, the ladder activation_memory_budget="auto" climbs when no budget fits."""
+    accepts (and the options its trainer passes it): blocks swapped, from what the trainer set up
+    (--blocks_to_swap, 0 without) to that most, the ladder activation_memory_budget="auto" climbs
+    when no budget fits."""
 
     def ladder(model: nn.Module, device: torch.device, on_remove: Callable[[Undo], None]) -> OffloadLadder:
         start = model.blocks_to_swap or 0
         hooked: list[Undo] = []
 
         def set_level(count: float) -> None:
-            _set_blocks_to_swap(model, int(count), device)
+            _set_blocks_to_swap(model, int(count), device, options)
             if count and not start and not hooked:
                 hooked.append(_prepare_swap_after_no_grad_forwards(model))
                 on_remove(hooked[0])
@@ -237,11 +239,15 @@ def _prepare_lumina(model: nn.Module) -> Undo:
     return undo
 
 
-def _sdpa_on_whole_sequences(original: Callable) -> Callable:
-    """Stand-in for sd-scripts' library.attention.attention: PyTorch SDPA without a mask or a
-    per-sample split (Anima's blocks: --attn_mode torch) in code dynamo traces. The original
-    deletes names its comprehensions capture, a bytecode dynamo does not handle: each call broke a
-    compiled block in pieces. Every other case goes to the original."""
+def _traceable_attention(original: Callable) -> Callable:
+    """Stand-in for sd-scripts' library.attention.attention (Anima, HunyuanImage) in compiled
+    code: PyTorch SDPA (--attn_mode torch) without a per-sample split, with the boolean padding
+    mask where the call has one. The original deletes names its comprehensions capture, a bytecode
+    dynamo does not handle, and with a mask branches on its values: each call broke a compiled
+    block in pieces. Where the original, given a mask whose samples are all of one length, trims
+    the padding off and pads zeros back, the mask hides the padding keys instead: the same values
+    at every unpadded token (the blocks these models compile get such masks only all True, which
+    `_masks_only_when_padded` drops). Eager calls and other attention modes go to the original."""
 
     def attention(
         qkv_or_q: torch.Tensor | list,
@@ -251,26 +257,61 @@ def _sdpa_on_whole_sequences(original: Callable) -> Callable:
         drop_rate: float = 0.0,
     ) -> torch.Tensor:
         params = attn_params
-        if params is not None and (params.attn_mode != "torch" or params.split_attn or params.attention_mask is not None):
+        if not torch.compiler.is_compiling() or (params is not None and (params.attn_mode != "torch" or params.split_attn)):
             return original(qkv_or_q, k, v, attn_params, drop_rate)
         if isinstance(qkv_or_q, list):
             q, k, v = qkv_or_q
             qkv_or_q.clear()  # as the original: the caller's list no longer holds them
         else:
             q = qkv_or_q
+        mask = None if params is None else params.attention_mask  # (batch, 1, 1, keys) booleans
         # (batch, tokens, heads, head_dim) in and (batch, tokens, heads * head_dim) out
-        x = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=drop_rate)
+        x = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, dropout_p=drop_rate
+        )
         return x.transpose(1, 2).flatten(2)
 
     return attention
 
 
-_ANIMA_ATTENTION = ModuleFunctionPatch("library.attention", "attention", _sdpa_on_whole_sequences)
+def _masks_only_when_padded(original: type) -> type:
+    """Stand-in for the AttentionParams class HunyuanImage's model makes its blocks' attention
+    parameters with: a text mask that pads nothing (every caption at batch 1, or captions of one
+    length: the model trims the text to the longest) makes parameters without a mask, as the
+    original's attention then trims nothing and runs SDPA without one; compiled attention without
+    a mask runs flash or cuDNN attention instead of the memory-efficient kernel."""
+
+    class AttentionParams(original):  # type: ignore[misc, valid-type]
+        @staticmethod
+        def create_attention_params_from_mask(attn_mode: Any, split_attn: bool, img_len: Any, attention_mask: Any) -> Any:
+            if attention_mask is not None and bool(attention_mask.all()):  # a host sync, once a forward
+                attention_mask = None
+            return original.create_attention_params_from_mask(attn_mode, split_attn, img_len, attention_mask)
+
+    return AttentionParams
 
 
-def _prepare_anima(model: nn.Module) -> Undo:
-    _ANIMA_ATTENTION.install()
-    return _ANIMA_ATTENTION.uninstall
+_PATCHES = {
+    "Anima": [ModuleFunctionPatch("library.attention", "attention", _traceable_attention)],
+    # hunyuan_image_modules imports the function by name
+    "HYImageDiffusionTransformer": [
+        ModuleFunctionPatch("library.hunyuan_image_modules", "attention", _traceable_attention),
+        ModuleFunctionPatch("library.hunyuan_image_models", "AttentionParams", _masks_only_when_padded),
+    ],
+}
+
+
+def _install_patches(model: nn.Module) -> Undo:
+    """The module patches of `model`'s family, in place while it is accelerated."""
+    patches = _PATCHES[type(model).__name__]
+    for patch in patches:
+        patch.install()
+
+    def undo() -> None:
+        for patch in reversed(patches):
+            patch.uninstall()
+
+    return undo
 
 
 # Keyed by class name; only classes defined in sd-scripts' library/ are looked up. The models
@@ -281,12 +322,19 @@ FAMILIES: dict[str, ModelAdapter] = {
         prepare=_prepare_lumina,
         offload_ladder=block_swap_ladder(lambda model: len(model.layers) - 2),
     ),
-    "Flux": ModelAdapter(("double_blocks", "single_blocks"), offload_ladder=block_swap_ladder(_flux_most_swapped)),
+    "Flux": ModelAdapter(("double_blocks", "single_blocks"), offload_ladder=block_swap_ladder(_double_single_most_swapped)),
     "MMDiT": ModelAdapter(("joint_blocks",), offload_ladder=block_swap_ladder(lambda model: model.num_blocks - 2)),
     # Anima: its DiT blocks (selective compiles the body each of its three checkpoints runs); the
     # LLM adapter's blocks, which run once a step without gradients, stay eager.
     "Anima": ModelAdapter(
-        ("blocks",), prepare=_prepare_anima, offload_ladder=block_swap_ladder(lambda model: model.num_blocks - 2)
+        ("blocks",), prepare=_install_patches, offload_ladder=block_swap_ladder(lambda model: model.num_blocks - 2)
+    ),
+    # HunyuanImage 2.1: its double and single blocks (the text refiner's blocks stay eager); its
+    # trainer swaps blocks for the backward too.
+    "HYImageDiffusionTransformer": ModelAdapter(
+        ("double_blocks", "single_blocks"),
+        prepare=_install_patches,
+        offload_ladder=block_swap_ladder(_double_single_most_swapped, supports_backward=True),
     ),
     # U-Nets: every layer the model's loop calls (ResBlocks, transformers, down/upsamplers). SD
     # 1.x's compile per size: with automatic dynamic shapes 3 of its 24 graphs (train_network.py,
@@ -421,7 +469,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> dict[str, Any]:
             metavar="N",
             help="compile the graphs in N worker processes while the first steps run them uncompiled: the first "
             "step takes seconds instead of minutes; each worker holds ~0.5 GiB of GPU memory until every graph is "
-            "back (not on Windows)",
+            "back (on Windows the training script's start must be under if __name__ == '__main__', as sd-scripts' are)",
         )
         group.add_argument(
             "--compile_workers_wait",

@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
@@ -328,8 +329,21 @@ def test_graphs_inside_a_trainers_checkpoint_switch_between_steps_not_before_its
     clear_caches()
 
 
+@pytest.fixture(params=["subprocess pool", "spawned pool"])
+def pool_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Each kind of worker pool: torch's subprocess pool, and the spawned one Windows gets (a
+    pool of its own, stopped after)."""
+    if request.param == "spawned pool":
+        for name, value in (("_count", 0), ("_pool", None), ("_out", [])):
+            monkeypatch.setattr(compile_workers, name, value)
+        monkeypatch.setattr(compile_workers, "SPAWNED_POOL", True)
+    yield request.param
+    if request.param == "spawned pool":
+        compile_workers.stop()
+
+
 def test_auto_trains_on_while_a_candidates_graphs_compile_and_measures_it_once_they_are_back(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pool_kind: str
 ) -> None:
     """activation_memory_budget="auto" with workers: the first step waits for neither the
     workers' partitions of its traced step nor the candidate's compile. The steps run the
@@ -1087,12 +1101,12 @@ def test_an_apply_whose_worker_pool_cannot_start_raises_with_the_model_as_it_was
 
 
 def test_compile_workers_where_torch_cannot_is_refused_and_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Windows, or a torch before 2.8: no subprocess compile."""
+    """A torch before 2.8: no graph pickler, no AOTAutograd cache to compile into."""
     monkeypatch.setattr(compile_workers, "SUPPORTED", False)
     model, _ = build("kohya", "non-reentrant", **ONE_BLOCK_CLASS)
     pool = compile_workers._pool
-    with pytest.raises(ValueError, match=r"CompileConfig\.compile_workers needs torch's graph pickler and AOTAutograd's cache .*"
-                       r"Windows; use compile_workers=0"):
+    with pytest.raises(ValueError, match=r"CompileConfig\.compile_workers needs torch's graph pickler and AOTAutograd's cache "
+                       r"\(torch >= 2\.8\); use compile_workers=0"):
         compile_accel.apply(model, CompileConfig(**CONFIG, compile_workers=WORKERS))
     _untouched(model)
     assert compile_workers._pool is pool
@@ -1104,22 +1118,27 @@ def test_compile_workers_where_torch_cannot_is_refused_and_changes_nothing(monke
 HANG = 60.0  # seconds: far above what a wait takes once it notices the pool gone
 
 
-@pytest.fixture(params=["pipe ends closed", "pipe ends kept open"])
+@pytest.fixture(params=["pipe ends closed", "pipe ends kept open", "spawned pool"])
 def kill_pool(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
     """A real pool of one worker, graphs handed to it without a look-up here, and what kills its
-    process (torch's SubprocPool's, whose children the workers are) with SIGKILL. With the pipe
-    ends kept open (as torch keeps them), only the liveness checks can tell it is gone."""
+    process (torch's SubprocPool's, whose children the workers are; Windows' spawned pool's
+    worker) with SIGKILL. With the pipe ends kept open (as torch keeps them), only the liveness
+    checks can tell it is gone."""
     for name, value in (("_count", 0), ("_pool", None), ("_out", []), ("_first_step_done", False)):
         monkeypatch.setattr(compile_workers, name, value)
     if request.param == "pipe ends kept open":
         monkeypatch.setattr(compile_workers, "_close_its_pipe_ends", lambda pool: None)
+    monkeypatch.setattr(compile_workers, "SPAWNED_POOL", request.param == "spawned pool")
     monkeypatch.setattr(compile_workers, "_misses_in_a_row", compile_workers.MISSES_BEFORE_COLD)
     compile_workers.start(1)
-    process = compile_workers._pool.process
+    if request.param == "spawned pool":
+        process = next(iter(compile_workers._pool._executor._processes.values()))
+    else:
+        process = compile_workers._pool.process
 
     def kill() -> None:
         os.kill(process.pid, signal.SIGKILL)
-        process.wait(HANG)
+        (process.join if request.param == "spawned pool" else process.wait)(HANG)
 
     yield kill
     compile_workers.stop()
@@ -1146,6 +1165,30 @@ def _handed_over(label: str, runs: list, stats: Stats) -> Callable:
 
 
 pool_killing = pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL")
+
+
+def test_windows_spawned_pool_compiles_graphs_in_its_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Windows' pool (spawned processes, nothing inherited but what the jobs carry): a graph
+    handed over compiles in a worker and runs as traced once back; the pool stops when idle."""
+    for name, value in (("_count", 0), ("_pool", None), ("_out", []), ("_first_step_done", False)):
+        monkeypatch.setattr(compile_workers, name, value)
+    monkeypatch.setattr(compile_workers, "SPAWNED_POOL", True)
+    monkeypatch.setattr(compile_workers, "_misses_in_a_row", compile_workers.MISSES_BEFORE_COLD)
+    compile_workers.start(1)
+    pool = compile_workers._pool
+    assert isinstance(pool, compile_workers._SpawnedPool)
+    assert pool._executor._mp_context.get_start_method() == "spawn"
+    stats, runs = Stats(), []
+    graph = _handed_over("graph 20/0", runs, stats)
+    assert isinstance(graph, WorkerGraph)
+    assert _within_deadline(compile_workers.wait_and_load) == 1
+    assert (stats.worker_graphs_compiled, stats.worker_failures) == (1, [])
+    (record,) = stats.worker_compiles
+    assert record["worker_s"] > 0 and graph.future is None
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(graph(x)[0], _sine(x))
+    compile_workers.first_step_done()
+    assert not compile_workers.running()
 
 
 @pool_killing

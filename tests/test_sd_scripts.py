@@ -866,11 +866,30 @@ def _anima_inputs() -> tuple:
     return latents, torch.rand(2), captions, None, torch.zeros(2, 1, 8, 8)
 
 
+def _hunyuan_image() -> torch.nn.Module:
+    import sd_scripts_small_common as common
+    from library import hunyuan_image_models
+    from sd_scripts_small_hunyuan_image import patches
+
+    with common.patched(patches()):
+        return hunyuan_image_models.HYImageDiffusionTransformer()
+
+
+def _hunyuan_image_inputs() -> tuple:
+    """Latents, timesteps, Qwen2.5-VL states with captions of two lengths, byT5 states without
+    quoted text; the float inputs require grad, as the trainers make them under checkpointing."""
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, 4:] = 0
+    latents, text = torch.randn(2, 64, 4, 4, requires_grad=True), torch.randn(2, 6, 64, requires_grad=True)
+    return latents, torch.rand(2) * 1000, text, mask, torch.randn(2, 4, 1472), torch.zeros(2, 4, dtype=torch.long)
+
+
 MODELS = {
     "lumina2": (_lumina, _lumina_inputs, "networks.lora_lumina", 1),
     "flux": (_flux, _flux_inputs, "networks.lora_flux", 2),
     "sd3": (_sd3, _sd3_inputs, "networks.lora_sd3", 3),
     "anima": (_anima, _anima_inputs, "networks.lora_anima", 1),
+    "hunyuan_image": (_hunyuan_image, _hunyuan_image_inputs, "networks.lora_hunyuan_image", 2),
 }
 
 
@@ -1067,33 +1086,59 @@ def test_anima_selective_compiles_the_body_each_of_its_checkpoints_runs(sd_scrip
     assert all("_forward" in vars(block) and "forward" not in vars(block) for block in model.blocks)
 
 
-def test_animas_attention_stand_in_gives_the_originals_values(sd_scripts: Path) -> None:
-    """The stand-in for sd-scripts' attention, on fresh random inputs: whole sequences under SDPA
-    (its own code), a per-sample split and a caption mask (the original's), each equal to the
-    original's result; the caller's list emptied as the original empties it."""
+def test_hunyuan_image_blocks_compile_whole_and_train_as_eager(sd_scripts: Path) -> None:
+    """HunyuanImage's attention, with its captions' padding mask, through the stand-in: each of
+    its double and single blocks one graph (the original branched on the mask's values and broke
+    each in pieces)."""
+    model, network = _with_lora("hunyuan_image")
+    stats = _assert_parity(model, network, BLOCKS, _hunyuan_image_inputs).stats()
+    assert stats["regions"] == len(model.double_blocks) + len(model.single_blocks) and stats["unique_graphs"] == 2
+
+
+def test_hunyuan_image_selective_compiles_each_blocks_checkpointed_body(sd_scripts: Path) -> None:
+    model, network = _with_lora("hunyuan_image")
+    stats = _assert_parity(model, network, CompileConfig(mode="selective"), _hunyuan_image_inputs).stats()
+    assert stats["regions"] == stats["compiled_regions"] == len(model.double_blocks) + len(model.single_blocks)
+    assert stats["uncalled_regions"] == [] and stats["unique_graphs"] == 2
+
+
+def test_sd_scripts_attention_stand_in_compiles_whole_to_the_originals_values(sd_scripts: Path) -> None:
+    """The stand-in for sd-scripts' attention, compiled in one graph (fullgraph) on fresh random
+    inputs: without a mask and with captions of two lengths, the original's values; with a mask
+    whose samples are of one length, the original's at every unpadded token (the padded ones,
+    which the original zeroes, are never read). Eager and split calls are the original's."""
     from library import attention
 
     params = attention.AttentionParams
-    mask = torch.ones(2, 4)
-    mask[1, 3:] = 0
-    cases = [
-        None,
-        params.create_attention_params("torch", False),
-        params.create_attention_params("torch", True),
-        params.create_attention_params_from_mask("torch", False, 2, mask),
+    stand_in = accel._traceable_attention(attention.attention)
+    compiled = torch.compile(lambda q, k, v, p: stand_in([q, k, v], attn_params=p), backend="eager", fullgraph=True)
+    two_lengths, one_length = torch.ones(2, 4), torch.ones(2, 4)
+    two_lengths[1, 3:] = 0
+    one_length[:, 3:] = 0
+    cases = [  # (parameters, the tokens compared: image 2 + caption 4)
+        (None, 6),
+        (params.create_attention_params("torch", False), 6),
+        (params.create_attention_params_from_mask("torch", False, 2, two_lengths), 6),
+        (params.create_attention_params_from_mask("torch", False, 2, one_length), 5),
     ]
-    before = attention.attention  # (the stand-in already, where an earlier test's model keeps it)
-    accel._ANIMA_ATTENTION.install()
-    try:
-        original, stand_in = accel._ANIMA_ATTENTION.original, attention.attention
-        for case in cases:
-            q, k, v = (torch.randn(2, 6, 3, 8) for _ in range(3))  # (batch, tokens, heads, head_dim)
-            qkv = [q, k, v]
-            torch.testing.assert_close(stand_in(qkv, attn_params=case), original([q, k, v], attn_params=case))
-            assert qkv == []
-    finally:
-        accel._ANIMA_ATTENTION.uninstall()
-    assert attention.attention is before
+    for case, tokens in cases:
+        q, k, v = (torch.randn(2, 6, 3, 8) for _ in range(3))  # (batch, tokens, heads, head_dim)
+        want = attention.attention([q, k, v], attn_params=case)
+        torch.testing.assert_close(compiled(q, k, v, case)[:, :tokens], want[:, :tokens])
+    split = params.create_attention_params("torch", True)
+    qkv = [q, k, v]
+    torch.testing.assert_close(stand_in(qkv, attn_params=split), attention.attention([q, k, v], attn_params=split))
+    assert qkv == []  # emptied, as the original empties it
+
+
+def test_hunyuan_images_attention_parameters_drop_masks_that_pad_nothing(sd_scripts: Path) -> None:
+    from library import attention
+
+    made = accel._masks_only_when_padded(attention.AttentionParams).create_attention_params_from_mask
+    padded = torch.ones(2, 4)
+    padded[1, 3:] = 0
+    assert made("torch", False, 2, torch.ones(2, 4)).attention_mask is None
+    assert made("torch", False, 2, padded).attention_mask.shape == (2, 1, 1, 6)
 
 
 def test_lora_state_dict_and_saved_file_keys_are_unchanged(sd_scripts: Path, tmp_path: Path) -> None:

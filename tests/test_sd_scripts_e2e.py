@@ -1,8 +1,8 @@
 """sd-scripts' LoRA trainers, unmodified, end to end on the CPU through the launcher.
 
 flux_train_network.py, sdxl_train_network.py, sd3_train_network.py, lumina_train_network.py,
-anima_train_network.py and train_network.py (SD 1.x, and SD 2.x with --v2) each train 3 LoRA
-steps on small random checkpoints (tests/sd_scripts_small_<model>.py shrinks
+anima_train_network.py, hunyuan_image_train_network.py and train_network.py (SD 1.x, and SD 2.x
+with --v2) each train 3 LoRA steps on small random checkpoints (tests/sd_scripts_small_<model>.py shrinks
 the model factories in the training process and writes the workspace), four ways: plain,
 SDSCRIPTS_SELECTIVE_TORCH_COMPILE=1, --activation_memory_budget 0.5, and that with
 --compile_workers 2. A compiled run must
@@ -32,7 +32,7 @@ import pytest
 SD_SCRIPTS_DIR = os.environ.get("SD_SCRIPTS_DIR")
 pytestmark = pytest.mark.skipif(not SD_SCRIPTS_DIR, reason="set SD_SCRIPTS_DIR to an sd-scripts checkout")
 
-TRAINERS = ["sdxl", "lumina", "flux", "sd3", "sd15", "sd2", "anima"]  # the slowest to compile first
+TRAINERS = ["sdxl", "lumina", "flux", "sd3", "sd15", "sd2", "anima", "hunyuan_image"]  # the slowest to compile first
 STEPS = 3
 # What the two compiled ways change: an environment variable and a flag of the launcher.
 MODES: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {

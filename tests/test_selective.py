@@ -114,6 +114,21 @@ class WrappedBodyBlock(BodyBlock):
         return self.forward_body(x)
 
 
+class BoundBodyBlock(BodyBlock):
+    """sd-scripts' HunyuanImage and Anima forms: the body bound to a local name first, and a
+    checkpoint function of another name."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.gradient_checkpointing:
+            forward_fn = self._forward
+            return torch_checkpoint(forward_fn, x, use_reentrant=False)
+        return self._forward(x)
+
+
+def torch_checkpoint(*args: object, **kwargs: object) -> torch.Tensor:
+    return checkpoint(*args, **kwargs)
+
+
 class Transformer(nn.Module):
     """SDXL's Transformer2DModel shape: not checkpointed itself, its transformer blocks are."""
 
@@ -244,8 +259,9 @@ def test_a_checkpointed_body_is_compiled_and_the_checkpoint_stays_eager() -> Non
     assert all("forward" not in vars(block) and "_forward" in vars(block) for block in model.blocks)
 
 
-def test_a_body_behind_a_wrapper_call_is_found() -> None:
+def test_a_body_behind_a_wrapper_call_or_a_local_name_is_found() -> None:
     assert checkpoint_body(WrappedBodyBlock) == "forward_body"
+    assert checkpoint_body(BoundBodyBlock) == "_forward"
     assert checkpoint_body(FluxStyleBlock) is None and checkpoint_body(Transformer) is None
 
 
