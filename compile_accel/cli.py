@@ -74,6 +74,27 @@ def bytecode_status(modules: tuple[str, ...] = COMPILER_MODULES) -> tuple[str, s
     )
 
 
+def missing_compiler_status(missing: str | None) -> tuple[str | None, str | None]:
+    """(doctor's problem, its hint) for a C++ compiler found missing (`missing`: why; None: found).
+    On Windows with a GPU a hint only: triton-windows builds its launchers with a C compiler of
+    its own, so GPU graphs of fixed shapes compile, dynamic shapes need MSVC."""
+    import torch
+
+    from . import dynamo_settings as ds
+
+    if missing is None:
+        return None, None
+    if sys.platform == "win32" and torch.cuda.is_available():
+        return None, (
+            f"no C++ compiler ({missing}): GPU compiles of fixed shapes run, but {ds.MSVC_FOR_DYNAMIC_SHAPES}; "
+            "without it the sd-scripts launcher compiles a graph per input size"
+        )
+    return (
+        f"no C++ compiler: inductor needs one for CPU code and its wrappers (gcc/g++, or MSVC on Windows; "
+        f"$CXX picks one): {missing}"
+    ), None
+
+
 def doctor(args: argparse.Namespace) -> int:
     import torch
 
@@ -87,11 +108,9 @@ def doctor(args: argparse.Namespace) -> int:
         problems.append(problem)
     cxx, missing = ds.cpp_compiler()
     print(f"C++ compiler     {shutil.which(cxx) or cxx if cxx else 'not found'}")
-    if missing:
-        problems.append(
-            f"no C++ compiler: inductor needs one for CPU code and its wrappers (gcc/g++, or MSVC on Windows; "
-            f"$CXX picks one): {missing}"
-        )
+    problem, hint = missing_compiler_status(missing)
+    problems += [problem] if problem else []
+    hints = [hint] if hint else []
     if torch.cuda.is_available():
         print(f"GPU              {torch.cuda.get_device_name()} (CUDA {torch.version.cuda})")
     else:
@@ -111,6 +130,7 @@ def doctor(args: argparse.Namespace) -> int:
         "(backward graphs compile with the forward: a compile error there falls back to eager)"
     )
     bytecode, hint = bytecode_status()
+    hints += [hint] if hint else []
     print(f"bytecode         {bytecode} (torch's compiler modules)")
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
@@ -128,7 +148,7 @@ def doctor(args: argparse.Namespace) -> int:
             problems.append(f"inductor could not compile a small function on {device}: {error}")
     for problem in problems:
         print(f"problem: {problem}", file=sys.stderr)
-    if hint:
+    for hint in hints:
         print(f"hint: {hint}", file=sys.stderr)
     print("usable" if not problems else "not usable")
     return 1 if problems else 0

@@ -52,12 +52,13 @@ import logging
 import multiprocessing
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -201,7 +202,9 @@ class _SpawnedPool:
         return not self._executor._broken  # (set once a worker exited unasked)
 
     def submit(self, function: Callable, *args: Any) -> concurrent.futures.Future:
-        return self._executor.submit(function, *args)
+        future = self._executor.submit(function, *args)
+        self.process.watch(self._executor._processes.values())  # (a submit may start a worker)
+        return future
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
@@ -209,24 +212,36 @@ class _SpawnedPool:
 
 class _SpawnedWorkers:
     """A _SpawnedPool's workers as one process (Popen's poll, wait, returncode and args): gone
-    once any worker exited; its exit code is that worker's (-1 where the executor broke without
-    one known)."""
+    once any worker exited unasked, with the exit code of the first seen gone (the executor ends
+    the others once one exits; -1 until one is known: another thread may be reaping it)."""
 
     args: tuple = ()  # (no pipe ends passed on: _close_its_pipe_ends has none to close)
 
     def __init__(self, executor: concurrent.futures.ProcessPoolExecutor) -> None:
         self._executor = executor
-        self.returncode: int | None = None
+        self._workers: dict[int, multiprocessing.process.BaseProcess] = {}  # by pid, as started
+        self._exit_code: int | None = None
+
+    def watch(self, workers: Iterable[multiprocessing.process.BaseProcess]) -> None:
+        self._workers.update((worker.pid, worker) for worker in list(workers))
 
     def poll(self) -> int | None:
-        codes = [process.exitcode for process in list(self._executor._processes.values())]
-        exited = [code for code in codes if code is not None]
-        if self.returncode is None and (exited or self._executor._broken):
-            self.returncode = exited[0] if exited else -1
-        return self.returncode
+        if self._exit_code is None and self._executor._broken:
+            # The one the executor did not end: exit codes other than its terminate()'s first.
+            codes = [worker.exitcode for worker in self._workers.values() if worker.exitcode is not None]
+            codes.sort(key=lambda code: code == -signal.SIGTERM)
+            if not codes:
+                return -1
+            self._exit_code = codes[0]
+        return self._exit_code
+
+    returncode = property(poll)
 
     def wait(self, timeout: float) -> int | None:
-        return self.poll()  # (the executor ends the others once one exits)
+        deadline = time.monotonic() + timeout
+        while self.poll() == -1 and self._exit_code is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.poll()
 
 
 def _close_its_pipe_ends(pool: Any) -> None:

@@ -9,6 +9,7 @@ compiled region calls on its first call in each thread.
 from __future__ import annotations
 
 import inspect
+import sys
 import threading
 
 import torch
@@ -41,6 +42,23 @@ def cpp_compiler() -> tuple[str | None, str | None]:
         return get_cpp_compiler(), None
     except RuntimeError as error:  # torch's InvalidCxxCompiler, or its Windows checks
         return None, str(error).strip().splitlines()[0]
+
+
+# On Windows triton-windows builds its kernel launchers with a C compiler it brings, so GPU
+# graphs of fixed shapes compile without MSVC; graphs with symbolic shapes do not (musubi-tuner's
+# and sd-scripts' docs ask for MSVC for --compile_dynamic there).
+MSVC_FOR_DYNAMIC_SHAPES = (
+    "on Windows, dynamic shapes (--compile_dynamic true, and auto from a second bucket size on) need MSVC: "
+    "install Visual Studio 2022 Build Tools with 'Desktop development with C++' and train from the "
+    "'x64 Native Tools Command Prompt for VS 2022'"
+)
+
+
+def dynamic_shapes_refusal() -> str | None:
+    """Why graphs with symbolic shapes cannot compile here (Windows without MSVC), or None."""
+    if sys.platform != "win32" or cpp_compiler()[1] is None:
+        return None
+    return MSVC_FOR_DYNAMIC_SHAPES
 
 
 def ensure_thread_settings(recompile_limit: int) -> None:

@@ -48,7 +48,7 @@ from compile_accel.base_compute import base_compute_refusal
 from compile_accel.blocks import UNET_BLOCK_LISTS
 from compile_accel.compile_cache import RunCompileCache
 from compile_accel.config import CUDA_GRAPH_MODES, cuda_graph_refusal
-from compile_accel.dynamo_settings import HAS_BUDGET_KNOB, HAS_CACHE_ARTIFACTS, cpp_compiler
+from compile_accel.dynamo_settings import HAS_BUDGET_KNOB, HAS_CACHE_ARTIFACTS, cpp_compiler, dynamic_shapes_refusal
 from compile_accel.first_step import end_first_step
 from compile_accel.memory import gib_argument, spill_warning
 from compile_accel.patching import ModuleFunctionPatch
@@ -561,6 +561,12 @@ def config_from_args(args: argparse.Namespace, theirs: dict[str, Any] | None = N
         )
     if budget is not None and not HAS_BUDGET_KNOB:
         raise LaunchError(f"--activation_memory_budget needs torch >= 2.4 (this is {torch.__version__})")
+    refusal = dynamic_shapes_refusal() if dynamic != "false" else None
+    if refusal and dynamic == "true":
+        raise LaunchError(f"--compile_dynamic true: {refusal}; or give --compile_dynamic false (a graph per size)")
+    if refusal:  # auto: a graph per size, which compiles without MSVC
+        _say(f"compiling a graph per input size (--compile_dynamic false): {refusal}")
+        dynamic = "false"
     config = CompileConfig(
         mode="blocks" if budget is not None else "selective",
         activation_memory_budget=budget,

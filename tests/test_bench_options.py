@@ -30,7 +30,7 @@ from compile_accel.benchmarks.runner import BenchSettings, StepResult
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--fp8-base"], "--fp8-base is sd-scripts' --fp8_base, for sdscripts-flux"),
+        (["--fp8-base"], "--fp8-base is sd-scripts' --fp8_base, for sdscripts-anima, sdscripts-flux"),
         (["--fp8-base", "--model", "flux"], "not for flux"),
         (["--blocks-to-swap", "4"], "--blocks-to-swap is sd-scripts' block swap"),
         (["--blocks-to-swap", "4", "--model", "sdscripts-sdxl"], "not in sdscripts-sdxl"),

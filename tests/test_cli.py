@@ -111,6 +111,21 @@ def test_doctor_asks_windows_users_for_triton_windows(monkeypatch) -> None:
     assert version == "not installed" and "(pip install triton-windows)" in problem
 
 
+@pytest.mark.parametrize("platform, gpu", [("win32", True), ("win32", False), ("linux", True)])
+def test_doctor_on_windows_with_a_gpu_and_no_msvc_says_what_dynamic_shapes_need(monkeypatch, platform, gpu) -> None:
+    """triton-windows compiles fixed-shape GPU graphs without MSVC: a hint naming what to install,
+    not a problem; without a GPU (inductor's CPU code) or elsewhere, a missing compiler is one."""
+    importlib.import_module("torch._inductor.codegen.cpp")  # (see the test above)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    monkeypatch.setattr(sys, "platform", platform)
+    problem, hint = cli.missing_compiler_status("cl is not found")
+    if platform == "win32" and gpu:
+        assert problem is None and "Visual Studio 2022 Build Tools" in hint and "--compile_dynamic true" in hint
+    else:
+        assert hint is None and problem.startswith("no C++ compiler: inductor needs one")
+    assert cli.missing_compiler_status(None) == (None, None)
+
+
 # One bench run with a row of each kind (eager, compiled, offload, data-parallel, split), read by
 # several tests: each mode is a child process that builds and compiles the model.
 BENCH_MODES = [

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import importlib
 import json
 import logging
 import os
@@ -376,6 +377,38 @@ def test_base_compute_reaches_the_config_and_a_gpu_that_cannot_is_refused(monkey
     refusal = r"--base_compute fp8: .*compute capability 8\.9 or newer; cuda is 8\.6"
     with pytest.raises(accel.LaunchError, match=refusal):
         accel.config_from_args(_parse("--selective_torch_compile", "--base_compute", "fp8"))
+
+
+def test_without_msvc_on_windows_auto_compiles_a_graph_per_size_and_dynamic_true_is_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Dynamic shapes need MSVC on Windows (fixed ones compile with triton-windows' own C
+    compiler): auto, which turns dynamic at a second bucket size, becomes a graph per size."""
+    from compile_accel import dynamo_settings
+
+    monkeypatch.setattr(accel, "dynamic_shapes_refusal", lambda: dynamo_settings.MSVC_FOR_DYNAMIC_SHAPES)
+    config = accel.config_from_args(_parse("--activation_memory_budget", "0.5"))
+    assert config.dynamic is False
+    assert "compiling a graph per input size (--compile_dynamic false): on Windows" in capsys.readouterr().err
+    assert accel.config_from_args(_parse("--selective_torch_compile", "--compile_dynamic", "false")).dynamic is False
+    with pytest.raises(accel.LaunchError, match=r"--compile_dynamic true: on Windows, dynamic shapes .* need MSVC"):
+        accel.config_from_args(_parse("--selective_torch_compile", "--compile_dynamic", "true"))
+    monkeypatch.setattr(accel, "dynamic_shapes_refusal", lambda: None)  # MSVC found, or not Windows
+    assert accel.config_from_args(_parse("--selective_torch_compile", "--compile_dynamic", "true")).dynamic is True
+
+
+def test_dynamic_shapes_need_msvc_only_on_windows(monkeypatch: pytest.MonkeyPatch) -> None:
+    from compile_accel import dynamo_settings
+
+    importlib.import_module("torch._inductor.codegen.cpp")  # (reads sys.platform at its import)
+    monkeypatch.setattr(dynamo_settings, "cpp_compiler", lambda: (None, "cl is not found"))
+    monkeypatch.setattr(sys, "platform", "win32")
+    assert dynamo_settings.dynamic_shapes_refusal() == dynamo_settings.MSVC_FOR_DYNAMIC_SHAPES
+    monkeypatch.setattr(dynamo_settings, "cpp_compiler", lambda: ("cl", None))
+    assert dynamo_settings.dynamic_shapes_refusal() is None
+    monkeypatch.setattr(dynamo_settings, "cpp_compiler", lambda: (None, "g++ is not found"))
+    monkeypatch.setattr(sys, "platform", "linux")
+    assert dynamo_settings.dynamic_shapes_refusal() is None
 
 
 def test_compile_workers_become_the_compile_config_where_torch_has_them(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -897,7 +930,6 @@ def _with_lora(name: str, checkpointing: dict | None = None, **build) -> tuple[t
     """The model, frozen, with sd-scripts' own LoRA network applied (random up weights, so
     LoRA changes the output), gradient checkpointing on (with the model's `checkpointing`
     options), in training mode."""
-    import importlib
 
     make, _, network_module, text_encoders = MODELS[name]
     torch.manual_seed(0)
