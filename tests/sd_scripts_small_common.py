@@ -165,9 +165,9 @@ def record(folder: Path) -> None:
     the launcher accelerated (`stats.json`; none without compile flags)."""
     from library import train_util
 
-    from compile_accel.integrations import sd_scripts as launcher
+    from compile_accel.integrations.sd_scripts import families
 
-    add, apply = train_util.LossRecorder.add, launcher.apply
+    add, apply = train_util.LossRecorder.add, families.apply
 
     def add_and_record(self: object, *, epoch: int, step: int, loss: float) -> None:
         with (folder / "losses").open("a") as file:
@@ -180,7 +180,7 @@ def record(folder: Path) -> None:
         return acceleration
 
     train_util.LossRecorder.add = add_and_record
-    launcher.apply = apply_and_record  # what the launcher calls on the model it accelerates
+    families.apply = apply_and_record  # what the launcher calls on the model it accelerates
 
 
 def harness_main(shrink: Callable[[], None], argv: list[str]) -> int:

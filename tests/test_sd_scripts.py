@@ -35,6 +35,8 @@ from compile_accel.compile_cache import RunCompileCache
 from compile_accel.compile_profile import PHASES, CompileTimes
 from compile_accel.dynamo_settings import HAS_CACHE_ARTIFACTS
 from compile_accel.integrations import sd_scripts as accel
+from compile_accel.integrations.sd_scripts import families, flags
+from compile_accel.integrations.sd_scripts import launcher
 
 SD_SCRIPTS_DIR = os.environ.get("SD_SCRIPTS_DIR")
 TOLERANCE = 1e-4
@@ -386,14 +388,14 @@ def test_without_msvc_on_windows_auto_compiles_a_graph_per_size_and_dynamic_true
     compiler): auto, which turns dynamic at a second bucket size, becomes a graph per size."""
     from compile_accel import dynamo_settings
 
-    monkeypatch.setattr(accel, "dynamic_shapes_refusal", lambda: dynamo_settings.MSVC_FOR_DYNAMIC_SHAPES)
+    monkeypatch.setattr(flags, "dynamic_shapes_refusal", lambda: dynamo_settings.MSVC_FOR_DYNAMIC_SHAPES)
     config = accel.config_from_args(_parse("--activation_memory_budget", "0.5"))
     assert config.dynamic is False
     assert "compiling a graph per input size (--compile_dynamic false): on Windows" in capsys.readouterr().err
     assert accel.config_from_args(_parse("--selective_torch_compile", "--compile_dynamic", "false")).dynamic is False
     with pytest.raises(accel.LaunchError, match=r"--compile_dynamic true: on Windows, dynamic shapes .* need MSVC"):
         accel.config_from_args(_parse("--selective_torch_compile", "--compile_dynamic", "true"))
-    monkeypatch.setattr(accel, "dynamic_shapes_refusal", lambda: None)  # MSVC found, or not Windows
+    monkeypatch.setattr(flags, "dynamic_shapes_refusal", lambda: None)  # MSVC found, or not Windows
     assert accel.config_from_args(_parse("--selective_torch_compile", "--compile_dynamic", "true")).dynamic is True
 
 
@@ -536,7 +538,7 @@ def test_a_checkout_without_the_parser_hook_stops_before_training_naming_it_and_
     monkeypatch.setitem(sys.modules, "library", library)
     monkeypatch.setitem(sys.modules, "library.train_util", train_util)
     with pytest.raises(accel.LaunchError) as refusal:
-        accel._install_hooks(accel.Launch())
+        launcher._install_hooks(accel.Launch())
     assert str(refusal.value) == (
         "unknown sd-scripts layout: library/train_util.py has no add_training_arguments. Nothing was trained; the "
         f"launcher is known to work with sd-scripts' {accel.KNOWN_TO_WORK}"
@@ -767,8 +769,8 @@ def test_a_long_first_compile_without_workers_says_how_to_shorten_it(
     launch.acceleration.config.compile_workers = workers or 0
     times = CompileTimes(dict.fromkeys(PHASES, 0.0) | {"dynamo": seconds}, 0.0, 1, 0, 0)
     monkeypatch.setattr(launch.acceleration, "compile_times", lambda: times)
-    monkeypatch.setattr(accel.compile_workers, "SUPPORTED", True)
-    monkeypatch.setattr(accel.os, "cpu_count", lambda: 6)
+    monkeypatch.setattr(compile_workers, "SUPPORTED", True)
+    monkeypatch.setattr(os, "cpu_count", lambda: 6)
     launch.first_step_done()
     (line,) = [line for line in capsys.readouterr().err.splitlines() if "first step done" in line]
     assert ("; --compile_workers 3 would compile the graphs in worker processes" in line) == hinted
@@ -801,7 +803,7 @@ def test_the_launcher_starts_the_workers_at_the_parse_that_asks_and_stops_them_a
     monkeypatch.setattr(compile_workers, "SUPPORTED", True)
     monkeypatch.setattr(compile_workers, "start", lambda count: calls.append(("start", count)))
     monkeypatch.setattr(compile_workers, "stop", lambda: calls.append(("stop",)))
-    monkeypatch.setattr(accel, "start_preloading", lambda: None)
+    monkeypatch.setattr(launcher, "start_preloading", lambda: None)
     parser = argparse.ArgumentParser()
     accel.Launch().watch(parser)  # (which adds the flags at the first parse)
     parser.parse_known_args(["--selective_torch_compile", "--compile_workers", "2"])  # the command line
@@ -1142,7 +1144,7 @@ def test_sd_scripts_attention_stand_in_compiles_whole_to_the_originals_values(sd
     from library import attention
 
     params = attention.AttentionParams
-    stand_in = accel._traceable_attention(attention.attention)
+    stand_in = families._traceable_attention(attention.attention)
     compiled = torch.compile(lambda q, k, v, p: stand_in([q, k, v], attn_params=p), backend="eager", fullgraph=True)
     two_lengths, one_length = torch.ones(2, 4), torch.ones(2, 4)
     two_lengths[1, 3:] = 0
@@ -1166,7 +1168,7 @@ def test_sd_scripts_attention_stand_in_compiles_whole_to_the_originals_values(sd
 def test_hunyuan_images_attention_parameters_drop_masks_that_pad_nothing(sd_scripts: Path) -> None:
     from library import attention
 
-    made = accel._masks_only_when_padded(attention.AttentionParams).create_attention_params_from_mask
+    made = families._masks_only_when_padded(attention.AttentionParams).create_attention_params_from_mask
     padded = torch.ones(2, 4)
     padded[1, 3:] = 0
     assert made("torch", False, 2, torch.ones(2, 4)).attention_mask is None
@@ -1459,8 +1461,8 @@ def test_attention_drops_only_marked_masks(monkeypatch: pytest.MonkeyPatch) -> N
     q, k, v = (torch.randn(2, 3, 6, 8) for _ in range(3))
     padded = torch.ones(2, 6, dtype=torch.bool)
     padded[1, 4:] = False
-    for mask in (accel._all_true_view(padded), padded):
+    for mask in (families._all_true_view(padded), padded):
         expanded = mask.bool().view(2, 1, 1, 6).expand(-1, 3, 6, -1)  # what NextDiT's attention does
-        out = accel._sdpa_without_mask_marks(q, k, v, attn_mask=expanded, scale=0.3)
+        out = families._sdpa_without_mask_marks(q, k, v, attn_mask=expanded, scale=0.3)
         torch.testing.assert_close(out, sdpa(q, k, v, attn_mask=expanded, scale=0.3))
     assert passed[0] is None and passed[1].equal(padded.view(2, 1, 1, 6).expand(-1, 3, 6, -1))
