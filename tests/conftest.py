@@ -6,9 +6,11 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import sys
 import tempfile
 import weakref
 from collections.abc import Iterator
+from pathlib import Path
 
 # Compiles of identical graphs across tests hit this cache (.ci/run points it at a per-run dir).
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "compile_accel_tests_inductor"))
@@ -92,6 +94,18 @@ def gc_unfrozen():
 # Single-stream blocks only: one block class, whose compile is a fraction of the double-stream
 # block's. For tests whose property does not depend on how many block classes compile.
 ONE_BLOCK_CLASS = {"double_blocks": 0, "single_blocks": 4}
+
+
+@pytest.fixture(scope="module")
+def sd_scripts() -> Iterator[Path]:
+    """A real sd-scripts checkout from $SD_SCRIPTS_DIR, importable (`library`, `networks`) for the
+    module; the test is skipped without one."""
+    root = os.environ.get("SD_SCRIPTS_DIR")
+    if not root:
+        pytest.skip("set SD_SCRIPTS_DIR to an sd-scripts checkout")
+    sys.path.insert(0, root)
+    yield Path(root)
+    sys.path.remove(root)
 
 
 def small_config(**overrides) -> TinyDiTConfig:

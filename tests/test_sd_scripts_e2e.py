@@ -21,7 +21,6 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,11 +78,10 @@ class Run:
 Runs = dict[tuple[str, str], Run | Exception]  # by (trainer, mode): the run, or why it failed
 
 @pytest.fixture(scope="module")
-def sd_scripts() -> Iterator[Path]:
+def sd_scripts(sd_scripts: Path) -> Path:
+    """conftest's checkout, with the tokenizers the harnesses write."""
     pytest.importorskip("tokenizers")
-    sys.path.insert(0, SD_SCRIPTS_DIR)
-    yield Path(SD_SCRIPTS_DIR)
-    sys.path.remove(SD_SCRIPTS_DIR)
+    return sd_scripts
 
 
 @pytest.fixture(scope="module")
