@@ -329,23 +329,22 @@ def test_graphs_inside_a_trainers_checkpoint_switch_between_steps_not_before_its
     clear_caches()
 
 
-@pytest.fixture(params=["subprocess pool", "spawned pool"])
-def pool_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """Each kind of worker pool: torch's subprocess pool, and the spawned one Windows gets (a
-    pool of its own, stopped after)."""
-    if request.param == "spawned pool":
-        for name, value in (("_count", 0), ("_pool", None), ("_out", [])):
-            monkeypatch.setattr(compile_workers, name, value)
-        monkeypatch.setattr(compile_workers, "SPAWNED_POOL", True)
-    yield request.param
-    if request.param == "spawned pool":
-        compile_workers.stop()
+@pytest.fixture
+def spawned_pool(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Windows' kind of worker pool (spawned processes), a pool of its own, stopped after."""
+    for name, value in (("_count", 0), ("_pool", None), ("_out", [])):
+        monkeypatch.setattr(compile_workers, name, value)
+    monkeypatch.setattr(compile_workers, "SPAWNED_POOL", True)
+    yield
+    compile_workers.stop()
 
 
+@pytest.mark.usefixtures("spawned_pool")
 def test_auto_trains_on_while_a_candidates_graphs_compile_and_measures_it_once_they_are_back(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pool_kind: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """activation_memory_budget="auto" with workers: the first step waits for neither the
+    """activation_memory_budget="auto" with workers, here Windows' spawned pool (torch's
+    subprocess pool runs auto with workers in the test after): the first step waits for neither the
     workers' partitions of its traced step nor the candidate's compile. The steps run the
     traced graphs uncompiled until the partitions are back (their calls not counted into the
     prediction, the pool kept up); the step after predicts and hands the candidate over, the
