@@ -318,7 +318,7 @@ def apply(model: nn.Module, config: CompileConfig) -> Acceleration:
     """compile_accel.apply on an sd-scripts model: its family's block lists (and adapter), or
     the repeated blocks compile_accel finds for a class without one. Call it after LoRA's
     apply_to, before the first step; `remove()` undoes the adapter too. With
-    activation_memory_budget="auto", a model with block swap (Flux, SD3, Lumina 2) swaps more
-    blocks when no budget fits (see block_swap_ladder). UnknownLayout for a family's class
-    without its block lists."""
+    activation_memory_budget="auto", a model with block swap (Flux, SD3, Lumina 2, Anima,
+    HunyuanImage) swaps more blocks when no budget fits (see block_swap_ladder). UnknownLayout
+    for a family's class without its block lists."""
     return apply_adapter(model, config, FAMILIES.get(type(model).__name__))

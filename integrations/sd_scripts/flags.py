@@ -91,7 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> dict[str, Any]:
             help="compile each whole block and keep this fraction (0..1) of its activations for backward, "
             "recomputing the rest; replaces --gradient_checkpointing for those blocks (0: least memory). "
             "auto: the fastest budget whose peak fits --vram_limit_gib, timed on the first step; with block "
-            "swap (Flux, SD3, Lumina 2) it swaps more blocks than --blocks_to_swap when none fits "
+            "swap (Flux, SD3, Lumina 2, Anima, HunyuanImage) it swaps more blocks than --blocks_to_swap when "
+            "none fits "
             f"(also set by {BUDGET_ENV}, the name of the original sd-scripts pull request)",
         )
         group.add_argument(
