@@ -78,7 +78,12 @@ from .preload import preload_inductor
 from .stats import Stats, warn
 
 try:  # torch >= 2.8: the graph pickler (fake tensors included) and AOTAutograd's cache lookup
-    from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache, should_use_local_autograd_cache
+    from torch._functorch._aot_autograd.autograd_cache import (
+        AOTAutogradCache,
+        BypassAOTAutogradCache,
+        check_cacheable,
+        should_use_local_autograd_cache,
+    )
     from torch.fx._graph_pickler import GraphPickler
     from torch.fx._graph_pickler import Options as PicklerOptions
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -664,6 +669,10 @@ def _pack_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> bytes | 
         return "it has non-tensor inputs (symbolic shapes)"
     if any(type(x) not in (torch.Tensor, torch.nn.Parameter) for x in example_inputs):
         return "it has tensor-subclass inputs"
+    try:  # what a worker compiles comes back through AOTAutograd's cache only
+        check_cacheable(gm)
+    except BypassAOTAutogradCache as error:  # (torch <= 2.11: a checkpoint traced in the graph)
+        return f"AOTAutograd would not cache it: {str(error).splitlines()[0]}"
     fake_mode = FakeTensorMode()  # without a shape env: static shapes, as dynamo gives AOTAutograd
     fakes = [_stand_in(fake_mode, x) for x in example_inputs]
     placeholders = gm.graph.find_nodes(op="placeholder")
@@ -672,7 +681,8 @@ def _pack_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> bytes | 
     # AOTAutograd's cache key pickles the graph module's attributes in their order.
     attributes = {name: value for name, value in gm.__dict__.items() if name not in plain or name == "meta"}
     order = list(gm.__dict__)
-    metas = {node: node.meta for node in gm.graph.nodes}
+    # Nested graphs too: the bodies of higher-order ops (a checkpoint traced in the region).
+    metas = {node: node.meta for graph in gm.modules() if isinstance(graph, torch.fx.GraphModule) for node in graph.graph.nodes}
     try:
         for node in metas:
             node.meta = _kept_meta(node.meta)
@@ -688,7 +698,10 @@ def _unpack_graph(packed: bytes) -> tuple[torch.fx.GraphModule, list[Any]]:
     """_pack_graph's graph module, as dynamo made it for AOTAutograd's cache key, and fake inputs."""
     inputs_mode = FakeTensorMode()
     loaded, fakes, sources, attributes, order = GraphPickler.loads(packed, inputs_mode)
-    gm = torch.fx.GraphModule(torch.nn.Module(), loaded.graph)  # the class dynamo's has
+    root = torch.nn.Module()  # holding the nested graphs the graph's get_attr nodes name
+    for name, child in loaded.named_children():
+        root.add_module(name, child)
+    gm = torch.fx.GraphModule(root, loaded.graph)  # the class dynamo's has
     merged = {**gm.__dict__, **attributes}
     gm.__dict__.clear()
     gm.__dict__.update({name: merged.pop(name) for name in order if name in merged})

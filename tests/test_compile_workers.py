@@ -664,6 +664,42 @@ def _sine(t: torch.Tensor) -> torch.Tensor:
     return t.sin() * 2.0 + 1.0
 
 
+def _checkpointed_sine(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.utils.checkpoint.checkpoint(lambda a: (a @ w).sin() * 2.0, t, use_reentrant=False) + 1.0
+
+
+def test_a_graph_with_a_checkpoint_traced_in_it_goes_to_a_worker_with_its_body() -> None:
+    """A block compiled whole with the model's checkpoint left on (a checkpoint that a budget
+    could not switch off) traces it as a higher-order op whose body is a graph of its own: packed
+    and compiled with it (here as a worker would, by AOTAutograd)."""
+    x, w = torch.randn(3, 4, requires_grad=True), torch.randn(4, 4)
+    gm, inputs = _traced(_checkpointed_sine, x, w)
+    assert any(isinstance(child, torch.fx.GraphModule) for child in gm.children())
+    packed = compile_workers._pack_graph(gm, inputs)
+    assert isinstance(packed, bytes), packed
+    compiled = compile_workers._compile_packed(packed, torch._dynamo.lookup_backend("aot_eager"))
+    x = torch.randn(3, 4, requires_grad=True)  # fresh: the compiled graph against eager
+    (out,) = compiled(x, w)
+    (grad,) = torch.autograd.grad(out.sum(), x)
+    expected = _checkpointed_sine(x, w)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, torch.autograd.grad(expected.sum(), x)[0], rtol=1e-5, atol=1e-6)
+
+
+@torch._dynamo.allow_in_graph
+def _opaque_double(t: torch.Tensor) -> torch.Tensor:
+    return t * 2.0
+
+
+def test_a_graph_that_aotautograd_would_not_cache_stays_in_this_process() -> None:
+    """What a worker compiles comes back through AOTAutograd's cache: a graph it would bypass
+    (here a function of no library's in the graph; torch <= 2.11: a checkpoint traced in it) is
+    not handed over, and the reason says so."""
+    gm, inputs = _traced(lambda t: _opaque_double(t).sin(), torch.randn(3))
+    reason = compile_workers._pack_graph(gm, inputs)
+    assert isinstance(reason, str) and reason.startswith("AOTAutograd would not cache it: "), reason
+
+
 def test_a_graph_no_pool_takes_compiles_in_this_process_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
     def closed(*args: Any) -> None:
         raise RuntimeError("Attempting to use a closed pool")
