@@ -345,18 +345,12 @@ def _canonical_inputs(args: tuple, kwargs: dict, training: bool) -> tuple[tuple,
     """Tensor inputs in one layout, so every block of a list shares one graph; also returns the
     aliased views (below) with their versions, for the caller to check after the call.
 
-    Inputs whose strides are not the plain contiguous ones (Flux's single blocks get slices of
-    a concatenated tensor, except the first; a size-1 batch dim of a slice keeps the parent's
-    stride, which dynamo guards too) are copied to that layout; boolean broadcast views (stride
-    0 on an axis longer than 1) keep theirs, which says that the values repeat (the sd-scripts
-    adapter marks all-True masks that way). Views are passed as plain tensors: dynamo guards a
-    view's base, and once a graph is dynamic that guard raises for a later non-view input,
-    which compiles the same graph again (seen in sd-scripts' Lumina 2 with captions and images
-    of new lengths); autograd would not see an in-place change of such an alias as a change of
-    its base. In training, floating inputs are made to require grad: the first block of a list
-    is fed by frozen embedders (no grad), the others by blocks with LoRA. A tensor that does not
-    require grad has no autograd history, so its detached alias loses nothing; the price is the
-    first block's input gradient, computed and dropped.
+    Strided inputs (Flux's single blocks get slices of a concatenated tensor) are copied
+    contiguous; boolean broadcast masks keep their stride-0 layout (the values repeat). Views
+    are passed as plain tensors: dynamo guards a view's base, which recompiles a dynamic graph
+    for a later non-view input (sd-scripts' Lumina 2). In training, floating inputs require
+    grad: the first block of a list is fed by frozen embedders, the others by blocks with LoRA,
+    and one graph serves both (the price: the first block's input gradient, dropped).
     """
 
     aliased_views = []
