@@ -26,8 +26,16 @@ import threading
 
 logger = logging.getLogger("compile_accel")
 
-_lock = threading.Lock()
-_thread: threading.Thread | None = None
+
+class _Preload:
+    """The process's one preload thread (PRELOAD), started at most once."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+
+
+PRELOAD = _Preload()
 
 
 def preload_inductor() -> None:
@@ -49,14 +57,14 @@ def start_preloading() -> None:
     """Import inductor's compiler in a background thread (once per process). Call it where the
     program starts its set-up, under `if __name__ == "__main__":` (a spawned DataLoader worker
     runs the module's top level again)."""
-    global _thread
-    with _lock:
-        if _thread is None:
-            _thread = threading.Thread(target=preload_inductor, name="compile_accel-preload", daemon=True)
-            _thread.start()
+    with PRELOAD.lock:
+        if PRELOAD.thread is None:
+            PRELOAD.thread = threading.Thread(target=preload_inductor, name="compile_accel-preload", daemon=True)
+            PRELOAD.thread.start()
 
 
 def wait_for_preload() -> None:
     """Return once the preload started by `start_preloading` is done (at once if none was)."""
-    if _thread is not None:
-        _thread.join()
+    thread = PRELOAD.thread
+    if thread is not None:
+        thread.join()

@@ -70,17 +70,17 @@ def compile_workers_first_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """compile_workers.first_step_done() marks the whole process (the launcher's tests call it):
     each test starts with the mark as the process had it, no hold, no graph pending and no
     first step seen."""
-    monkeypatch.setattr(compile_workers, "_first_step_done", compile_workers._first_step_done)
-    monkeypatch.setattr(compile_workers, "_held", set())  # a failed test's hold stays with it
-    monkeypatch.setattr(compile_workers, "_kept", weakref.WeakSet())
+    monkeypatch.setattr(compile_workers.POOL, "after_first_step", compile_workers.POOL.after_first_step)
+    monkeypatch.setattr(compile_workers.HANDED_OVER, "held", set())  # a failed test's hold stays with it
+    monkeypatch.setattr(compile_workers.POOL, "kept", weakref.WeakSet())
     # Graphs and jobs a test left in the workers (its model gone) are not the next test's.
-    monkeypatch.setattr(compile_workers, "_unswitched", [])
-    monkeypatch.setattr(compile_workers, "_out", [])
+    monkeypatch.setattr(compile_workers.HANDED_OVER, "graphs", [])
+    monkeypatch.setattr(compile_workers.POOL, "out", [])
     # Each test's graphs are looked up in the caches, whatever the tests before it missed.
-    monkeypatch.setattr(compile_workers, "_misses_in_a_row", 0)
-    monkeypatch.setattr(compile_workers, "_first_step_start", None)
+    monkeypatch.setattr(compile_workers.POOL, "misses_in_a_row", 0)
+    monkeypatch.setattr(compile_workers.HANDED_OVER, "first_step_start", None)
     # A test that killed the workers' pool leaves the next one workers to start.
-    monkeypatch.setattr(compile_workers, "_workers_exited", None)
+    monkeypatch.setattr(compile_workers.POOL, "exited", None)
 
 
 @pytest.fixture(autouse=True)

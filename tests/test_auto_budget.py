@@ -650,7 +650,7 @@ def test_with_compile_workers_a_candidate_is_measured_at_the_first_step_after_it
     for _ in range(6):
         training.step()
         workers.step_done()
-        held = workers.stats is not None and id(workers.stats) in compile_workers._held
+        held = workers.stats is not None and id(workers.stats) in compile_workers.HANDED_OVER.held
         seen.append((training.budget, training.auto.checking, held, training.auto.result is None))
     assert seen == [
         (0.7, 0.7, True, True),  # predicted, 0.7 handed over: the step ran on

@@ -45,10 +45,10 @@ CONFIG = {"mode": "blocks", "activation_memory_budget": 0.5}
 
 class _GatedPool:
     """The workers' pool, with the results of one kind of job (default: every graph's compile;
-    auto's partitions are `compile_workers._compile_job`s) held back until `open()`: graphs handed
+    auto's partitions are `compile_workers.worker.compile_job`s) held back until `open()`: graphs handed
     to the workers stay uncompiled however fast the workers are."""
 
-    def __init__(self, pool: Any, job: Callable = compile_workers._compile_in_worker) -> None:
+    def __init__(self, pool: Any, job: Callable = compile_workers.worker.compile_in_worker) -> None:
         self._pool = pool
         self._job = job
         self._opened = False
@@ -120,11 +120,11 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         eager, eager_params = build("kohya", "non-reentrant", **ONE_BLOCK_CLASS)
         # The eager twin keeps its checkpointing (the accelerated one has it switched off):
         # the same gradients either way.
-        patch.setattr(compile_workers, "_first_step_done", False)
+        patch.setattr(compile_workers.POOL, "after_first_step", False)
         acceleration = compile_accel.apply(model, CompileConfig(**CONFIG, compile_workers=WORKERS))
-        assert compile_workers._pool is not None, "apply() did not start the workers"
+        assert compile_workers.POOL.pool is not None, "apply() did not start the workers"
         # Set, not patched: the pool stops itself (and clears this) once every graph is back.
-        gate = compile_workers._pool = _GatedPool(compile_workers._pool)
+        gate = compile_workers.POOL.pool = _GatedPool(compile_workers.POOL.pool)
 
         record: dict[str, Any] = {"loss": [], "grads": [], "cache_dir": cache_dir}
         # Counters outlive dynamo's reset: this module's are the difference (read anew: torch
@@ -279,7 +279,7 @@ def _twins_compiled_in_workers(cache: Path, monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
     clear_caches()
     torch._dynamo.reset()
-    monkeypatch.setattr(compile_workers, "_first_step_done", False)
+    monkeypatch.setattr(compile_workers.POOL, "after_first_step", False)
     seed = torch.seed()
     torch.manual_seed(seed)
     model, params = build("kohya", "non-reentrant", **ONE_BLOCK_CLASS)
@@ -298,7 +298,7 @@ def test_graphs_inside_a_trainers_checkpoint_switch_between_steps_not_before_its
 
     model, params, eager, eager_params = _twins_compiled_in_workers(tmp_path, monkeypatch)
     acceleration = compile_accel.apply(model, CompileConfig(mode="selective", compile_workers=WORKERS))
-    gate = compile_workers._pool = _GatedPool(compile_workers._pool)
+    gate = compile_workers.POOL.pool = _GatedPool(compile_workers.POOL.pool)
     errors = []
     try:
         for step in range(3):
@@ -326,9 +326,9 @@ def test_graphs_inside_a_trainers_checkpoint_switch_between_steps_not_before_its
 @pytest.fixture
 def spawned_pool(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Windows' kind of worker pool (spawned processes), a pool of its own, stopped after."""
-    for name, value in (("_count", 0), ("_pool", None), ("_out", [])):
-        monkeypatch.setattr(compile_workers, name, value)
-    monkeypatch.setattr(compile_workers, "SPAWNED_POOL", True)
+    for name, value in (("count", 0), ("pool", None), ("out", [])):
+        monkeypatch.setattr(compile_workers.POOL, name, value)
+    monkeypatch.setattr(compile_workers.pool, "SPAWNED_POOL", True)
     yield
     compile_workers.stop()
 
@@ -353,8 +353,8 @@ def test_auto_trains_on_while_a_candidates_graphs_compile_and_measures_it_once_t
     acceleration = compile_accel.apply(model, config)
     auto = acceleration.auto_budget
     auto.candidates = (0.0, 0.5)  # 0.5 predicted to fit 64 GiB: the one handed over
-    partitions = _GatedPool(compile_workers._pool, job=compile_workers._compile_job)
-    gate = compile_workers._pool = _GatedPool(partitions)
+    partitions = _GatedPool(compile_workers.POOL.pool, job=compile_workers.worker.compile_job)
+    gate = compile_workers.POOL.pool = _GatedPool(partitions)
     errors, traced = [], []
     trace = RegionBackend.__call__
     monkeypatch.setattr(RegionBackend, "__call__", lambda self, gm, inputs: traced.append(gm) or trace(self, gm, inputs))
@@ -368,7 +368,7 @@ def test_auto_trains_on_while_a_candidates_graphs_compile_and_measures_it_once_t
     try:
         train()  # the traced step, its partitions held in the workers
         assert auto.waiting_for == "the partitions of the traced step's graphs" and auto.checking is None
-        assert set(compile_workers._kept) == {auto}
+        assert set(compile_workers.POOL.kept) == {auto}
         calls = [graph.calls for graph in auto._estimate.graphs]
         train()
         assert [graph.calls for graph in auto._estimate.graphs] == calls and sum(calls) > 0
@@ -376,8 +376,8 @@ def test_auto_trains_on_while_a_candidates_graphs_compile_and_measures_it_once_t
         partitions.open()
         compile_workers.wait()  # (auto's partitions)
         train()  # predicts, hands 0.5 over
-        assert auto.result is None and auto.checking == 0.5 and len(compile_workers._held) == 1
-        assert auto.waiting_for == "the graphs of budget 0.5" and len(compile_workers._kept) == 0
+        assert auto.result is None and auto.checking == 0.5 and len(compile_workers.HANDED_OVER.held) == 1
+        assert auto.waiting_for == "the graphs of budget 0.5" and len(compile_workers.POOL.kept) == 0
         started = acceleration.stats()["worker_graphs_started"]
         assert started > 0 and compile_workers.pending() == started
     finally:
@@ -393,7 +393,7 @@ def test_auto_trains_on_while_a_candidates_graphs_compile_and_measures_it_once_t
     result = auto.result
     assert result["budget"] == 0.5 and result["fits"] and [row["budget"] for row in result["table"]] == [0.5]
     assert 0 < result["waited_seconds"] < result["calibration_seconds"]
-    assert compile_workers._held == set() and auto.checking is None
+    assert compile_workers.HANDED_OVER.held == set() and auto.checking is None
     stats = acceleration.stats()
     assert stats["worker_graphs_compiled"] == started and stats["worker_failures"] == [] and stats["recompiles"] == 0
     assert len(traced) == started  # each graph traced once by dynamo: the traced step's, handed over
@@ -420,7 +420,7 @@ def test_auto_runs_its_traced_step_uncompiled_under_checkpoints_while_workers_pa
     acceleration = compile_accel.apply(model, config)
     auto = acceleration.auto_budget
     predict, added, here, checkpointed = auto._predict, [], [], []
-    checkpoint = compile_workers.checkpoint
+    checkpoint = compile_workers.graphs.checkpoint
 
     def traced_step_only(run, device, parameters, counts, limit):
         def note(*args: Any, **kwargs: Any) -> None:
@@ -433,7 +433,7 @@ def test_auto_runs_its_traced_step_uncompiled_under_checkpoints_while_workers_pa
         with monkeypatch.context() as patch:
             patch.setattr(saved_bytes.SavedBytesEstimate, "_partition_traced", note)
             patch.setattr(saved_bytes, "partition_saved_bytes", note)
-            patch.setattr(compile_workers, "checkpoint", counted_checkpoint)
+            patch.setattr(compile_workers.graphs, "checkpoint", counted_checkpoint)
             with contextlib.suppress(_InWorkers):  # (the workers' partitions not back yet)
                 predict(run, device, parameters, counts, limit=-1)  # the traced step alone
             added.extend(auto._estimate.added_bytes(budget) for budget in CANDIDATES)
@@ -452,7 +452,7 @@ def test_auto_runs_its_traced_step_uncompiled_under_checkpoints_while_workers_pa
     assert added[-1] > added[0]  # the budgets differ: the test can tell them apart
     for graph in graphs:
         assert graph.saved_bytes == graph.partition_here()  # the worker's job, run here
-    assert len(compile_workers._kept) == 0  # released when calibration stopped
+    assert len(compile_workers.POOL.kept) == 0  # released when calibration stopped
     acceleration.remove()
     torch._dynamo.reset()
 
@@ -539,12 +539,12 @@ BAD_WORKERS = [
 @pytest.mark.parametrize("fields, message", BAD_WORKERS, ids=["-1", "True", "1.5", "aot_eager"])
 def test_bad_compile_workers_is_refused_and_changes_nothing(fields: dict, message: str) -> None:
     model, _ = build("kohya", "non-reentrant", **ONE_BLOCK_CLASS)
-    pool, handed = compile_workers._pool, compile_workers.pending()
+    pool, handed = compile_workers.POOL.pool, compile_workers.pending()
     with pytest.raises(ValueError, match=message):
         compile_accel.apply(model, CompileConfig(**CONFIG, **fields))
     _untouched(model)
     # No pool started, nothing handed to one.
-    assert compile_workers._pool is pool and compile_workers.pending() == handed
+    assert compile_workers.POOL.pool is pool and compile_workers.pending() == handed
 
 
 def test_an_apply_whose_worker_pool_cannot_start_raises_with_the_model_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -556,8 +556,8 @@ def test_an_apply_whose_worker_pool_cannot_start_raises_with_the_model_as_it_was
         raise OSError(errno.EMFILE, "Too many open files")
 
     monkeypatch.setattr(subproc_pool, "SubprocPool", no_pipes)
-    monkeypatch.setattr(compile_workers, "_count", 0)
-    monkeypatch.setattr(compile_workers, "_pool", None)
+    monkeypatch.setattr(compile_workers.POOL, "count", 0)
+    monkeypatch.setattr(compile_workers.POOL, "pool", None)
     model, _ = build("kohya", "non-reentrant", **ONE_BLOCK_CLASS)
     inputs = inputs_for(model)
     expected = model(*inputs)
@@ -583,9 +583,9 @@ def test_compile_workers_where_torch_cannot_is_refused_and_changes_nothing(monke
     """A torch before 2.8: no graph pickler, no AOTAutograd cache to compile into."""
     monkeypatch.setattr(compile_workers, "SUPPORTED", False)
     model, _ = build("kohya", "non-reentrant", **ONE_BLOCK_CLASS)
-    pool = compile_workers._pool
+    pool = compile_workers.POOL.pool
     with pytest.raises(ValueError, match=r"CompileConfig\.compile_workers needs torch's graph pickler and AOTAutograd's cache "
                        r"\(torch >= 2\.8\); use compile_workers=0"):
         compile_accel.apply(model, CompileConfig(**CONFIG, compile_workers=WORKERS))
     _untouched(model)
-    assert compile_workers._pool is pool
+    assert compile_workers.POOL.pool is pool

@@ -164,7 +164,7 @@ def test_precompiles_cut_short_at_exit_leave_the_file_another_run_wrote(
         future.set_exception(RuntimeError("SubprocPool closed"))  # what the pool's shutdown gives a pending job
         return future
 
-    monkeypatch.setattr(compile_workers, "_submit", closed_at_exit)
+    monkeypatch.setattr(compile_workers.POOL, "submit", closed_at_exit)
     with caplog.at_level("INFO", logger="compile_accel"):
         cache.save()
         assert cache.precompiling.join(timeout=600) == first_start[1]

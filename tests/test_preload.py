@@ -21,7 +21,7 @@ def test_apply_waits_for_a_preload_still_running(monkeypatch: pytest.MonkeyPatch
         time.sleep(0.3)
         done.set()
 
-    monkeypatch.setattr(preload, "_thread", None)
+    monkeypatch.setattr(preload.PRELOAD, "thread", None)
     monkeypatch.setattr(preload, "preload_inductor", slow_preload)
     model, _ = build()
     compile_accel.start_preloading()

@@ -131,7 +131,7 @@ from library import train_util
 parser = argparse.ArgumentParser()
 train_util.add_training_arguments(parser, True)
 parser.parse_args()
-started, workers = preload._thread is not None, compile_workers.running()
+started, workers = preload.PRELOAD.thread is not None, compile_workers.running()
 preload.wait_for_preload()
 print(json.dumps({"started": started, "inductor": "torch._inductor.compile_fx" in sys.modules, "workers": workers}))
 """

@@ -18,7 +18,7 @@ from torch import nn
 
 from compile_accel import compile_workers
 from compile_accel.compile_profile import CompileClock
-from compile_accel.compile_workers import WorkerCompile, WorkerGraph
+from compile_accel.compile_workers import GraphState, WorkerCompile, WorkerGraph
 from compile_accel.stats import Stats
 
 pytestmark = pytest.mark.skipif(
@@ -38,9 +38,9 @@ def test_a_graph_with_a_checkpoint_traced_in_it_goes_to_a_worker_with_its_body()
     x, w = torch.randn(3, 4, requires_grad=True), torch.randn(4, 4)
     gm, inputs = traced_graph(_checkpointed_sine, x, w)
     assert any(isinstance(child, torch.fx.GraphModule) for child in gm.children())
-    packed = compile_workers._pack_graph(gm, inputs)
+    packed = compile_workers.packing.pack_graph(gm, inputs)
     assert isinstance(packed, bytes), packed
-    compiled = compile_workers._compile_packed(packed, torch._dynamo.lookup_backend("aot_eager"))
+    compiled = compile_workers.packing.compile_packed(packed, torch._dynamo.lookup_backend("aot_eager"))
     x = torch.randn(3, 4, requires_grad=True)  # fresh: the compiled graph against eager
     (out,) = compiled(x, w)
     (grad,) = torch.autograd.grad(out.sum(), x)
@@ -59,7 +59,7 @@ def test_a_graph_that_aotautograd_would_not_cache_stays_in_this_process() -> Non
     (here a function of no library's in the graph; torch <= 2.11: a checkpoint traced in it) is
     not handed over, and the reason says so."""
     gm, inputs = traced_graph(lambda t: _opaque_double(t).sin(), torch.randn(3))
-    reason = compile_workers._pack_graph(gm, inputs)
+    reason = compile_workers.packing.pack_graph(gm, inputs)
     assert isinstance(reason, str) and reason.startswith("AOTAutograd would not cache it: "), reason
 
 
@@ -67,7 +67,7 @@ def test_a_graph_no_pool_takes_compiles_in_this_process_with_a_warning(monkeypat
     def closed(*args: Any) -> None:
         raise RuntimeError("Attempting to use a closed pool")
 
-    monkeypatch.setattr(compile_workers, "_submit", closed)
+    monkeypatch.setattr(compile_workers.POOL, "submit", closed)
     x = torch.randn(8, 8, requires_grad=True)
     gm, inputs = traced_graph(sine, x)
     stats, compiled_here = Stats(), []
@@ -75,7 +75,7 @@ def test_a_graph_no_pool_takes_compiles_in_this_process_with_a_warning(monkeypat
     def compile_here(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
         compiled_here.append(graph)
         if len(compiled_here) == 1:
-            raise compile_workers._NotCached  # the lookup in the caches: a miss
+            raise compile_workers.handing_over._NotCached  # the lookup in the caches: a miss
         return graph.forward
 
     with pytest.warns(RuntimeWarning, match=r"graph 5/0 could not be handed to a compile worker "
@@ -93,8 +93,8 @@ def test_a_graph_whose_parameters_hold_gradients_goes_to_a_worker_on_stand_ins_w
     precompile after a step whose loop zeroes gradients at the next step's start: a parameter's
     fake kept its .grad, which did not pickle, and the graph compiled in this process."""
     submitted: list[tuple] = []
-    monkeypatch.setattr(compile_workers, "_submit", lambda *args: submitted.append(args) or concurrent.futures.Future())
-    monkeypatch.setattr(compile_workers, "_misses_in_a_row", compile_workers.MISSES_BEFORE_COLD)  # no look-up here
+    monkeypatch.setattr(compile_workers.POOL, "submit", lambda *args: submitted.append(args) or concurrent.futures.Future())
+    monkeypatch.setattr(compile_workers.POOL, "misses_in_a_row", compile_workers.MISSES_BEFORE_COLD)  # no look-up here
     weight = nn.Parameter(torch.randn(4, 4))
     weight.grad = torch.ones(4, 4)
     gm, inputs = traced_graph(lambda t: (t @ weight).sin(), torch.randn(3, 4))
@@ -105,7 +105,7 @@ def test_a_graph_whose_parameters_hold_gradients_goes_to_a_worker_on_stand_ins_w
         precompiled = compile_workers.precompile_in_workers(gm, inputs, as_traced)
     assert isinstance(graph, WorkerGraph) and isinstance(precompiled, compile_workers.WorkerPrecompiled)
     assert len(submitted) == 2
-    _, stand_ins = compile_workers._unpack_graph(graph._packed)
+    _, stand_ins = compile_workers.packing.unpack_graph(graph._packed)
     assert [(t.grad, t.requires_grad) for t in stand_ins] == [(None, t.requires_grad) for t in inputs]
     assert torch.equal(weight.grad, torch.ones(4, 4))  # the training's own gradient untouched
 
@@ -120,19 +120,19 @@ def test_after_a_run_of_misses_graphs_go_to_the_workers_unlooked_up_until_a_work
 
     def submit(*args: Any) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
-        future.add_done_callback(compile_workers._back)
+        future.add_done_callback(compile_workers.POOL._back)
         submitted.append(future)
         return future
 
-    monkeypatch.setattr(compile_workers, "_submit", submit)
-    monkeypatch.setattr(compile_workers, "_stop_when_idle", lambda: None)  # (no pool to stop)
+    monkeypatch.setattr(compile_workers.POOL, "submit", submit)
+    monkeypatch.setattr(compile_workers.POOL, "_stop_when_idle", lambda: None)  # (no pool to stop)
     x = torch.randn(4, 4)
     gm, inputs = traced_graph(sine, x)
     looked_up = []
 
     def compile_here(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
         looked_up.append(graph)
-        raise compile_workers._NotCached  # every look-up misses
+        raise compile_workers.handing_over._NotCached  # every look-up misses
 
     def hand_over() -> Callable:
         return compile_workers.compile_in_workers(gm, inputs, as_traced, compile_here, Stats(), "graph 13/0", False)
@@ -173,7 +173,7 @@ def test_a_graph_the_worker_did_not_put_in_the_caches_compiles_here_once_with_a_
         compiled_here.append(graph)
         return lambda t: (t * 100.0,)  # tells which one ran
 
-    packed = compile_workers._pack_graph(gm, inputs)
+    packed = compile_workers.packing.pack_graph(gm, inputs)
     switched_before = compile_workers.graphs_switched()
     graph = WorkerGraph(gm, packed, compile_here, future, stats, "graph 7/0", checkpointed=False)
     torch.testing.assert_close(graph(x)[0], sine(x), rtol=0, atol=0)  # not back: uncompiled
@@ -208,7 +208,7 @@ def test_a_graph_that_compiles_neither_in_a_worker_nor_here_keeps_running_uncomp
         raise WorkerError("inductor raised here too")
 
     stats, switched_before = Stats(), compile_workers.graphs_switched()
-    graph = WorkerGraph(gm, compile_workers._pack_graph(gm, inputs), compile_here, future, stats, "graph 8/0", True)
+    graph = WorkerGraph(gm, compile_workers.packing.pack_graph(gm, inputs), compile_here, future, stats, "graph 8/0", True)
     with pytest.warns(RuntimeWarning, match=r"graph 8/0 did not compile in a worker .* nor here, and keeps running "
                       r"uncompiled: inductor raised here too"):
         torch.testing.assert_close(graph(x)[0], sine(x), rtol=0, atol=0)
@@ -223,7 +223,7 @@ def test_wait_and_load_waits_for_the_workers_then_loads_their_graphs_before_thei
     compiled, so that the next step runs compiled from its first call; auto's held graphs stay."""
     x = torch.randn(3, 4)
     gm, inputs = traced_graph(sine, x)
-    packed = compile_workers._pack_graph(gm, inputs)
+    packed = compile_workers.packing.pack_graph(gm, inputs)
 
     def compile_here(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
         # Under autocast, as handed over in the step (AOTAutograd's cache key holds it), not as now.
@@ -261,7 +261,7 @@ def test_wait_and_load_loads_each_graph_as_it_comes_back_while_the_others_still_
     load: a graph back early is loaded (and run once) while a later one is still in its worker."""
     x = torch.randn(3, 4)
     gm, inputs = traced_graph(sine, x)
-    packed = compile_workers._pack_graph(gm, inputs)
+    packed = compile_workers.packing.pack_graph(gm, inputs)
     back_later: concurrent.futures.Future = concurrent.futures.Future()
     pending_when_loaded = []
 
@@ -284,7 +284,7 @@ def test_wait_and_load_loads_each_graph_as_it_comes_back_while_the_others_still_
     finally:
         timer.cancel()
     assert pending_when_loaded == [True, False]  # the early one while the late one compiled
-    assert early.future is None and late.future is None and compile_workers.pending() == 0
+    assert early.state is GraphState.LOADED and late.state is GraphState.LOADED and compile_workers.pending() == 0
 
 
 def test_wait_and_load_runs_each_loaded_graph_once_on_zeros_and_leaves_the_training_as_it_was() -> None:
@@ -295,7 +295,7 @@ def test_wait_and_load_runs_each_loaded_graph_once_on_zeros_and_leaves_the_train
     w = torch.randn(4, 4, requires_grad=True)
     x = torch.empty_strided((3, 4), (1, 3)).copy_(torch.randn(3, 4))  # not contiguous: the stand-in has its strides
     gm, inputs = traced_graph(lambda t, weight: (t @ weight).sin() * torch.rand(1), x, w)
-    packed = compile_workers._pack_graph(gm, inputs)
+    packed = compile_workers.packing.pack_graph(gm, inputs)
     # One record per graph: wait_and_load loads them in the order their workers finish.
     runs: list[list[tuple]] = [[], [], []]
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -334,7 +334,7 @@ def test_each_graph_loaded_says_when_in_the_first_step_it_was_handed_over_back_a
     gm, inputs = traced_graph(sine, x)
     future: concurrent.futures.Future = concurrent.futures.Future()
     stats = Stats()
-    WorkerGraph(gm, compile_workers._pack_graph(gm, inputs), loaded_by_hand([]), future, stats, "graph 14/0", False)
+    WorkerGraph(gm, compile_workers.packing.pack_graph(gm, inputs), loaded_by_hand([]), future, stats, "graph 14/0", False)
     time.sleep(0.3)
     future.set_result(WorkerCompile({}, time.time() - 0.1, 0.1, CompileClock().since()))  # queued 0.2 s, compiled 0.1 s
     assert compile_workers.wait_and_load() == 1
@@ -351,9 +351,9 @@ def test_a_graph_with_integer_inputs_or_whose_first_run_fails_runs_compiled_from
     indexed_gm, indexed_inputs = traced_graph(lambda t, i: t[i] * 2.0, x, torch.tensor([2, 0]))
     gm, inputs = traced_graph(sine, x)
     runs: list[tuple] = []
-    indexed = WorkerGraph(indexed_gm, compile_workers._pack_graph(indexed_gm, indexed_inputs),
+    indexed = WorkerGraph(indexed_gm, compile_workers.packing.pack_graph(indexed_gm, indexed_inputs),
                           loaded_by_hand(runs), returned_future(), Stats(), "graph 11/0", True)
-    failing = WorkerGraph(gm, compile_workers._pack_graph(gm, inputs), loaded_by_hand(runs, fails=True), returned_future(),
+    failing = WorkerGraph(gm, compile_workers.packing.pack_graph(gm, inputs), loaded_by_hand(runs, fails=True), returned_future(),
                           Stats(), "graph 11/1", True)
     with pytest.warns(RuntimeWarning, match=r"graph 11/1: its first run on stand-in inputs failed \(RuntimeError: no "
                       r"kernel for zeros\); it runs compiled from its next call"):
@@ -383,15 +383,15 @@ def test_until_it_is_compiled_a_budgeted_graph_runs_under_a_checkpoint(checkpoin
 
 def test_a_worker_compiles_under_the_training_process_grad_mode_autocast_and_flags() -> None:
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        state = compile_workers._runtime_state()
+        state = compile_workers.packing.runtime_state()
     assert state["grad"] is False and state["autocast"] == {"cpu": torch.bfloat16}
-    flags = compile_workers._precision_flags()
+    flags = compile_workers.packing.precision_flags()
     before = [getattr(module, name) for module, name in flags]
     try:
-        with compile_workers._in_runtime_state(state):
+        with compile_workers.packing.in_runtime_state(state):
             assert not torch.is_grad_enabled()
             assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
-            assert compile_workers._runtime_state() == state
+            assert compile_workers.packing.runtime_state() == state
     finally:
         for (module, name), value in zip(flags, before, strict=True):
             setattr(module, name, value)

@@ -22,7 +22,7 @@ from worker_stand_ins import as_traced, loaded_by_hand, returned_future, sine, t
 
 import compile_accel
 from compile_accel import CompileConfig, compile_workers
-from compile_accel.compile_workers import WorkerGraph, WorkerPrecompiled
+from compile_accel.compile_workers import GraphState, WorkerGraph, WorkerPrecompiled
 from compile_accel.stats import Stats
 
 pytestmark = pytest.mark.skipif(
@@ -72,9 +72,9 @@ def fake_pool(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(subproc_pool, "SubprocPool", _FakePool)
     monkeypatch.setattr(_FakePool, "made", [])
     monkeypatch.setattr(os, "cpu_count", lambda: 12)  # (at most one worker per core)
-    for name, value in (("_count", 0), ("_pool", None), ("_out", []), ("_first_step_done", False)):
-        monkeypatch.setattr(compile_workers, name, value)
-    monkeypatch.setattr(compile_workers, "IDLE_SECONDS_BEFORE_FIRST_STEP_DONE", 2.0)
+    for name, value in (("count", 0), ("pool", None), ("out", []), ("after_first_step", False)):
+        monkeypatch.setattr(compile_workers.POOL, name, value)
+    monkeypatch.setattr(compile_workers.pool, "IDLE_SECONDS_BEFORE_FIRST_STEP_DONE", 2.0)
 
 
 @pytest.mark.usefixtures("fake_pool")
@@ -87,15 +87,15 @@ def test_before_the_first_step_is_done_an_idle_pool_waits_for_more_graphs(monkey
     assert (pool.count, pool.threads) == (3, "4")  # each worker's share of the 12 cores
     assert os.environ.get("TORCHINDUCTOR_COMPILE_THREADS") == threads_here  # set for the workers only
     # Each worker gets ready for its first graph as it starts (not a graph: not waited for).
-    assert pool.jobs == [(compile_workers._get_ready,)] * 3 and compile_workers._out == []
-    first = compile_workers._submit("graph 0")
+    assert pool.jobs == [(compile_workers.worker.get_ready,)] * 3 and compile_workers.POOL.out == []
+    first = compile_workers.POOL.submit("graph 0")
     first.set_result("compiled")
     assert compile_workers.running()  # nothing out, but idle for less than 2 s
-    second = compile_workers._submit("graph 1")  # the next wave goes to the same pool
+    second = compile_workers.POOL.submit("graph 1")  # the next wave goes to the same pool
     assert len(_FakePool.made) == 1
     second.set_exception(RuntimeError("inductor raised"))  # a failed graph is back too
     back = time.monotonic()
-    checks = [t for t in threading.enumerate() if getattr(t, "function", None) is compile_workers._stop_if_idle]
+    checks = [t for t in threading.enumerate() if getattr(t, "function", None) == compile_workers.POOL._stop_if_idle]
     for check in checks:
         check.join(0.5)  # (the first graph's check, replaced, ends at once)
     assert sum(check.is_alive() for check in checks) == 1  # one check waits, not one per graph back
@@ -119,7 +119,7 @@ def test_more_compile_workers_than_cpu_cores_start_one_per_core_with_a_warning(m
 @pytest.mark.usefixtures("fake_pool")
 def test_after_the_first_step_the_pool_stops_once_every_graph_is_back_and_starts_again_for_the_next() -> None:
     compile_workers.start(3)
-    first = compile_workers._submit("graph 0")
+    first = compile_workers.POOL.submit("graph 0")
     compile_workers.first_step_done()
     (pool,) = _FakePool.made
     assert compile_workers.running() and not pool.shut_down.is_set()  # a graph is out
@@ -127,7 +127,7 @@ def test_after_the_first_step_the_pool_stops_once_every_graph_is_back_and_starts
     assert pool.shut_down.wait(10) and not compile_workers.running()
     # A graph after that (new input shapes) starts a new pool of the same size, which stops
     # as soon as that graph is back.
-    second = compile_workers._submit("graph 1")
+    second = compile_workers.POOL.submit("graph 1")
     assert len(_FakePool.made) == 2 and _FakePool.made[1].count == 3 and compile_workers.running()
     second.set_result("compiled")
     assert _FakePool.made[1].shut_down.wait(10) and not compile_workers.running()
@@ -139,7 +139,7 @@ def test_a_kept_pool_stays_up_with_nothing_out_until_released() -> None:
     holder = type("Holder", (), {})()  # (as an AutoBudget: hashable, weakly referenced)
     compile_workers.start(2)
     compile_workers.keep_running(holder, True)
-    partitions = compile_workers._submit("partitions")
+    partitions = compile_workers.POOL.submit("partitions")
     compile_workers.first_step_done()
     partitions.set_result({})
     (pool,) = _FakePool.made
@@ -169,17 +169,17 @@ def kill_pool(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     process (torch's SubprocPool's, whose children the workers are; Windows' spawned pool's
     worker) with SIGKILL. With the pipe ends kept open (as torch keeps them), only the liveness
     checks can tell it is gone."""
-    for name, value in (("_count", 0), ("_pool", None), ("_out", []), ("_first_step_done", False)):
-        monkeypatch.setattr(compile_workers, name, value)
+    for name, value in (("count", 0), ("pool", None), ("out", []), ("after_first_step", False)):
+        monkeypatch.setattr(compile_workers.POOL, name, value)
     if request.param == "pipe ends kept open":
-        monkeypatch.setattr(compile_workers, "_close_its_pipe_ends", lambda pool: None)
-    monkeypatch.setattr(compile_workers, "SPAWNED_POOL", request.param == "spawned pool")
-    monkeypatch.setattr(compile_workers, "_misses_in_a_row", compile_workers.MISSES_BEFORE_COLD)
+        monkeypatch.setattr(compile_workers.pool, "_close_its_pipe_ends", lambda pool: None)
+    monkeypatch.setattr(compile_workers.pool, "SPAWNED_POOL", request.param == "spawned pool")
+    monkeypatch.setattr(compile_workers.POOL, "misses_in_a_row", compile_workers.MISSES_BEFORE_COLD)
     compile_workers.start(1)
     if request.param == "spawned pool":
-        process = next(iter(compile_workers._pool._executor._processes.values()))
+        process = next(iter(compile_workers.POOL.pool._executor._processes.values()))
     else:
-        process = compile_workers._pool.process
+        process = compile_workers.POOL.pool.process
 
     def kill() -> None:
         os.kill(process.pid, signal.SIGKILL)
@@ -215,13 +215,13 @@ pool_killing = pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL")
 def test_windows_spawned_pool_compiles_graphs_in_its_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Windows' pool (spawned processes, nothing inherited but what the jobs carry): a graph
     handed over compiles in a worker and runs as traced once back; the pool stops when idle."""
-    for name, value in (("_count", 0), ("_pool", None), ("_out", []), ("_first_step_done", False)):
-        monkeypatch.setattr(compile_workers, name, value)
-    monkeypatch.setattr(compile_workers, "SPAWNED_POOL", True)
-    monkeypatch.setattr(compile_workers, "_misses_in_a_row", compile_workers.MISSES_BEFORE_COLD)
+    for name, value in (("count", 0), ("pool", None), ("out", []), ("after_first_step", False)):
+        monkeypatch.setattr(compile_workers.POOL, name, value)
+    monkeypatch.setattr(compile_workers.pool, "SPAWNED_POOL", True)
+    monkeypatch.setattr(compile_workers.POOL, "misses_in_a_row", compile_workers.MISSES_BEFORE_COLD)
     compile_workers.start(1)
-    pool = compile_workers._pool
-    assert isinstance(pool, compile_workers._SpawnedPool)
+    pool = compile_workers.POOL.pool
+    assert isinstance(pool, compile_workers.pool._SpawnedPool)
     assert pool._executor._mp_context.get_start_method() == "spawn"
     stats, runs = Stats(), []
     graph = _handed_over("graph 20/0", runs, stats)
@@ -229,7 +229,7 @@ def test_windows_spawned_pool_compiles_graphs_in_its_workers(monkeypatch: pytest
     assert _within_deadline(compile_workers.wait_and_load) == 1
     assert (stats.worker_graphs_compiled, stats.worker_failures) == (1, [])
     (record,) = stats.worker_compiles
-    assert record["worker_s"] > 0 and graph.future is None
+    assert record["worker_s"] > 0 and graph.state is GraphState.LOADED
     x = torch.randn(3, 4)
     torch.testing.assert_close(graph(x)[0], sine(x))
     compile_workers.first_step_done()
@@ -267,7 +267,7 @@ def test_a_wait_on_a_killed_pool_returns_and_its_graph_compiles_here_with_one_wa
         assert _within_deadline(compile_workers.wait) == 0
     [warning] = _ours(caught)
     assert "the compile workers' pool process exited (exit code -9" in warning
-    assert graph.future is None and graph._compiled is not None and runs  # compiled here, run on zeros
+    assert graph.state is GraphState.LOADED and graph._compiled is not None and runs  # compiled here, run on zeros
     assert stats.worker_graphs_compiled == 0 and len(stats.worker_failures) == 1
     assert stats.worker_failures[0].startswith("graph 17/0: ")
     assert compile_workers.pending() == 0 and not compile_workers.running()
@@ -285,7 +285,7 @@ def test_a_pool_killed_while_a_graph_loads_leaves_the_others_to_compile_here_wit
         return loaded_by_hand([])(graph, example_inputs)
 
     back_stats, out_stats = Stats(), Stats()
-    back = WorkerGraph(gm, compile_workers._pack_graph(gm, inputs), killed_as_it_loads, returned_future(), back_stats,
+    back = WorkerGraph(gm, compile_workers.packing.pack_graph(gm, inputs), killed_as_it_loads, returned_future(), back_stats,
                        "graph 18/0", False)
     out = _handed_over("graph 18/1", [], out_stats)
     assert isinstance(out, WorkerGraph)
@@ -296,7 +296,7 @@ def test_a_pool_killed_while_a_graph_loads_leaves_the_others_to_compile_here_wit
     assert "the compile workers' pool process exited (exit code -9" in warning
     assert back_stats.worker_graphs_compiled == 1 and back_stats.worker_failures == []  # the worker's, loaded
     assert out_stats.worker_graphs_compiled == 0 and len(out_stats.worker_failures) == 1  # compiled here
-    assert back.future is None and out.future is None and compile_workers.pending() == 0
+    assert back.state is GraphState.LOADED and out.state is GraphState.LOADED and compile_workers.pending() == 0
 
 
 @pytest.mark.usefixtures("fake_pool")
@@ -310,7 +310,7 @@ def test_a_pool_whose_pipe_breaks_as_a_graph_is_written_is_given_up_with_one_war
     compile_workers.start(2)
     (pool,) = _FakePool.made
     monkeypatch.setattr(pool, "submit", broken_pipe)
-    monkeypatch.setattr(compile_workers, "_misses_in_a_row", compile_workers.MISSES_BEFORE_COLD)
+    monkeypatch.setattr(compile_workers.POOL, "misses_in_a_row", compile_workers.MISSES_BEFORE_COLD)
     stats = Stats()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -326,7 +326,7 @@ def test_a_precompile_save_waiting_on_a_killed_pool_leaves_its_graph_out_with_on
     """The precompile save's thread waits for each graph it writes (WorkerPrecompiled): killed
     while that wait runs, the graph fails and is left out of the file instead of the thread
     waiting for ever."""
-    precompiled = WorkerPrecompiled(compile_workers._submit(time.sleep, HANG))  # still compiling, as it were
+    precompiled = WorkerPrecompiled(compile_workers.POOL.submit(time.sleep, HANG))  # still compiling, as it were
 
     def serialize() -> BaseException | None:
         try:
