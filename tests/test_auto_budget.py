@@ -20,8 +20,10 @@ from compile_accel.auto_budget import (
     CANDIDATES,
     GIB,
     AutoBudget,
+    CacheEntry,
     Measurement,
     OffloadLadder,
+    PredictedPeak,
     cache_path,
     choose,
     predict_largest_fitting,
@@ -756,6 +758,23 @@ def test_a_malformed_cache_entry_warns_and_calibrates_again(damage: dict) -> Non
     with pytest.warns(RuntimeWarning, match="malformed entry"):
         training.step()
     assert training.measured and (training.auto.result["offload"], training.budget) == (10, 0.7)
+
+
+def test_a_cache_entry_reads_back_as_written_and_a_bad_field_is_named() -> None:
+    entry = CacheEntry(
+        budget=0.5,
+        fits=True,
+        limit_gib=8.0,
+        table=(Measurement(0.7, 0.0, 0, out_of_memory=True, offload=10), Measurement(0.5, 0.21, 7 * GIB, offload=10)),
+        offload=10,
+        predicted=(PredictedPeak(0.0, 10, 5 * GIB), PredictedPeak(0.7, 10, 9 * GIB)),
+    )
+    data = json.loads(json.dumps(entry.to_json()))
+    assert CacheEntry.from_json(data, (0, 10, 20)) == entry
+    with pytest.raises(ValueError, match="^offload$"):
+        CacheEntry.from_json(data, None)  # a rung where the run has no ladder
+    with pytest.raises(ValueError, match="no run of the chosen budget"):
+        CacheEntry.from_json({**data, "budget": 0.7}, (0, 10, 20))  # chosen, but it ran out of memory
 
 
 def test_auto_raises_the_conductors_offload_fraction_and_training_matches_eager() -> None:
