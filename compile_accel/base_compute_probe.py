@@ -23,7 +23,7 @@ from .stats import warn
 
 logger = logging.getLogger("compile_accel")
 
-# The bars of 8-bit compute (docs/behaviour.md): a block's output within this relative error of
+# The bars of 8-bit compute (docs/base-compute.md#accuracy-check): a block's output within this relative error of
 # its own dtype's, and every LoRA gradient at least this cosine-similar.
 MAX_OUTPUT_ERROR = {"int8": 0.02, "fp8": 0.04}
 MIN_GRADIENT_COSINE = 0.99

@@ -63,7 +63,7 @@ class CompileConfig:
         autotuning pointwise kernels and without its second config for register-heavy
         reductions (compile_accel.backend.FAST_COMPILE_SETTINGS): seconds less per block class
         and per warm start, Lumina 2's and Flux's steps measured as fast (SDXL: see
-        docs/behaviour.md). False compiles with inductor's defaults.
+        docs/modes.md). False compiles with inductor's defaults.
     compile_workers: 0 compiles each graph in this process, the step waiting for it. N > 0 hands
         each graph's compile (AOTAutograd and inductor) to N worker processes (inductor only; on
         Windows spawned ones, see compile_accel.compile_workers): the step runs each graph uncompiled until it is back, and the graphs of every
