@@ -38,7 +38,7 @@ def small_mmdit() -> torch.nn.Module:
         depth=DEPTH,
         num_patches=POS_EMBED_SIZE**2,
         pos_embed_max_size=POS_EMBED_SIZE,
-        adm_in_channels=sum(clip["projection_dim"] for clip in common.SMALL_CLIP.values()),  # pooled L and G
+        adm_in_channels=sum(common.SMALL_CLIP[width]["projection_dim"] for width in (768, 1280)),  # pooled L and G
         qk_norm="rms",
         x_block_self_attn_layers=[],
         context_embedder_in_features=common.SMALL_T5["d_model"],
