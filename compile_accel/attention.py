@@ -60,8 +60,8 @@ def additive_masks_before_expand(gm: torch.fx.GraphModule) -> int:
 
     SDPA converts a boolean mask to an additive one (0 where attended, -inf elsewhere) at the
     mask's full size. sd-scripts' Lumina 2 expands a (batch, 1, 1, keys) padding mask to
-    (batch, heads, queries, keys) first: at 1024x1024 that conversion writes 1.8 GB per layer
-    and took 140 of 627 ms of a selective-compile step on an H200. Converted before the expand
+    (batch, heads, queries, keys) first: at 1024x1024 that conversion writes 1.8 GB per layer,
+    a fifth of a selective-compile step's time (docs/fallbacks.md). Converted before the expand
     it is batch x keys values, broadcast by stride 0 (the fused kernels take expanded masks).
     Returns how many masks were rewritten.
     """
@@ -95,9 +95,9 @@ def additive_masks_before_expand(gm: torch.fx.GraphModule) -> int:
 def contiguous_attention_inputs(gm: torch.fx.GraphModule) -> int:
     """Give every scaled_dot_product_attention call contiguous q, k and v; returns how many calls.
 
-    Seen on an H200 with torch 2.11 (inductor, bf16 autocast): Flux-style blocks whose q/k/v are
-    permuted views of one projection got NaN or wrong LoRA gradients from the compiled graph,
-    while eager, aot_eager, fp32, and the same block with attention written out were right.
+    With torch 2.11 (inductor, bf16 autocast), Flux-style blocks whose q/k/v are permuted views of
+    one projection get NaN or wrong LoRA gradients from the compiled graph, where eager, aot_eager,
+    fp32 and attention written out are right (docs/fallbacks.md).
     """
     calls = _attention_calls(gm)
     for node in calls:

@@ -43,19 +43,16 @@ from .saved_bytes import SavedBytesEstimate
 from .stats import Stats
 
 
-# CompileConfig.fast_compile. Measured on sd-scripts' Flux fp8, selective, cold, on an H100
-# (benchmarks/results/h100_compile_profile/knobs/): inductor's pattern-matcher passes took
-# 3.6 s of a 26.9 s compile and the runtime autotuning of pointwise kernels 1.8 s, and the steps
-# compiled without them were not slower. Blocks call attention through SDPA and their matmuls
-# through extern kernels, which those passes would otherwise look for.
+# CompileConfig.fast_compile: inductor settings patched around the regions' compiles only.
+# pattern_matcher, triton.autotune_pointwise: blocks call attention through SDPA and their matmuls
+# through extern kernels, which those passes would look for; without them a cold compile takes
+# seconds less and the steps are no slower (benchmarks/results/h100_compile_profile/knobs/README.md).
 # dynamic_scale_rblock: for a reduction kernel that uses many registers, inductor compiles a
 # second config (half the reduction block) when the kernel is loaded, and benchmarks the two
 # at its first launch, in every process: torch <= 2.12 never takes the choice from its autotune
-# cache (pytorch/pytorch#181789, #189121; torch 2.13 skips it on an autotune-cache hit). On an
-# H200 with torch 2.11 it cost Lumina 2 and Flux fp8 0.6-1.1 s of every warm first step and half
-# their cold compile time, and their steps were as fast without it; SDXL's Triton kernels took
-# 64.0 ms per step without it against 61.7 ms in an earlier run with it, not compared in one call
-# (benchmarks/results/h200_warm_start/).
+# cache (pytorch/pytorch#181789, #189121; torch 2.13 skips it on an autotune-cache hit). Off, a warm
+# first step takes up to a second less and a cold compile half as long, Lumina 2's and Flux's steps
+# as fast, SDXL's kernels perhaps ~1% slower (benchmarks/results/h200_warm_start/README.md).
 FAST_COMPILE_SETTINGS: dict[str, Any] = {
     "pattern_matcher": False,
     "triton.autotune_pointwise": False,
@@ -202,8 +199,8 @@ class RegionBackend:
     traced it and runs it uncompiled while the worker partitions it at every candidate
     (`_traced_in_workers`); `adopt(budget)` then hands those graphs to the workers at the budget
     auto picked and makes this backend that budget's: dynamo's graphs and guards serve it, and
-    the picked budget is compiled without tracing the step again (a second trace took 10 s of
-    sd-scripts' SDXL U-Net's calibration on an H200).
+    the picked budget is compiled without tracing the step again (a second trace costs seconds:
+    benchmarks/results/h200_auto_one_trace/README.md).
     """
 
     def __init__(

@@ -39,8 +39,8 @@ def run_inputs(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], torch.dev
 
 
 # Entries of a diffusers model's config that say nothing about the model: which arguments took
-# their defaults (a list made from a set, in another order in every process: every diffusers
-# model's warm start missed its cache entries on an H200), and where it was loaded from.
+# their defaults (a list made from a set, in another order in every process, which would give a
+# diffusers model a new key at every start: docs/compile-workers.md), and where it was loaded from.
 _CONFIG_BOOKKEEPING = ("_use_default_values", "_name_or_path")
 
 

@@ -12,7 +12,7 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # inductor's modes that 
 WITHOUT_CUDA_GRAPHS = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
 # The largest vram_limit_gib: 1 PiB, thousands of times any one GPU's memory, so a larger limit
 # is a typo; in bytes it stays an exact int64, which torch's memory counters are (1e300 GiB
-# overflowed auto's byte count at the first step).
+# would overflow auto's byte count at the first step).
 MAX_VRAM_LIMIT_GIB = 2**20
 
 
@@ -51,8 +51,8 @@ class CompileConfig:
         pools, and never offloads). In selective mode only the graphs run without grad are
         recorded, their outputs copied out: the first forward of a block under a reentrant
         checkpoint (sd-scripts' SDXL); its recompute and backward run compiled without. Graphs
-        recorded under the model's own checkpoint with grad failed in the recompute (outputs a
-        later replay had overwritten, sd-scripts' SDXL, torch 2.11).
+        recorded with grad under the model's own checkpoint fail in its recompute, which reads
+        outputs a later replay overwrote (torch 2.11; docs/modes.md).
     fullgraph: refuse graph breaks inside a region (they become compile errors, and the
         region falls back to eager with a warning).
     recompile_limit: graphs dynamo may compile per region function and call signature before
@@ -62,7 +62,7 @@ class CompileConfig:
     fast_compile: compile the regions without inductor's pattern-matcher passes, without
         autotuning pointwise kernels and without its second config for register-heavy
         reductions (compile_accel.backend.FAST_COMPILE_SETTINGS): seconds less per block class
-        and per warm start, Lumina 2's and Flux's steps measured as fast (SDXL: see
+        and per warm start, Lumina 2's and Flux's steps as fast (SDXL's, and the figures:
         docs/modes.md). False compiles with inductor's defaults.
     compile_workers: 0 compiles each graph in this process, the step waiting for it. N > 0 hands
         each graph's compile (AOTAutograd and inductor) to N worker processes (inductor only; on
@@ -184,9 +184,9 @@ def cuda_graph_refusal(config: CompileConfig, moved_by: str | None) -> str | Non
     bench and the sd-scripts launcher refuse with it. moved_by: what moves the blocks' weights
     between steps (offloading, block swap, other GPUs), if anything."""
     if config.mode == "off" or (config.mode == "blocks" and config.activation_memory_budget is None):
-        # Whole blocks under the model's own checkpointing: the recompute read outputs a later
-        # replay had overwritten (sd-scripts' SDXL, torch 2.11, on an H200). Selective mode
-        # records only graphs run without grad (compile_accel.backend).
+        # Whole blocks under the model's own checkpointing: the recompute reads outputs a later
+        # replay overwrote (torch 2.11; benchmarks/results/h200_selective_cuda_graphs/README.md).
+        # Selective mode records only graphs run without grad (compile_accel.backend).
         return (
             "CUDA graphs need whole blocks under an activation memory budget (a number or auto), or selective "
             "mode: whole blocks under the model's own gradient checkpointing fail"

@@ -1,13 +1,12 @@
 """Python's garbage collector after the first step.
 
 Compiling leaves hundreds of thousands of long-lived Python objects (dynamo's and inductor's
-caches, FX graphs, kernel wrappers), beside the trainer's own: sd-scripts Flux held 670k-890k
-tracked objects after its first step. Python's full collection walks every tracked object, so each
-one that comes later takes 0.40-0.54 s, a whole step's worth, at a step nobody chooses
-(benchmarks/results/h200_step_after_wait/). Freezing what is alive after the first step, as
-servers do after their start-up, takes those objects out of every later collection: they are still
-freed when their last reference goes, but a reference cycle through them is only collected after
-`gc.unfreeze()`.
+caches, FX graphs, kernel wrappers), beside the trainer's own. Python's full collection walks
+every tracked object, so each one that comes later takes about a step's time, at a step nobody
+chooses (benchmarks/results/h200_step_after_wait/README.md). Freezing what is alive after the first
+step, as servers do after their start-up, takes those objects out of every later collection: they
+are still freed when their last reference goes, but a reference cycle through them is only
+collected after `gc.unfreeze()`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Per-row symmetric int8 for streamed frozen weights: quantize once on the host, dequantize on
 the GPU every time a block is loaded (twice per training step), so the dequantize is
 memory-bound kernel work: read int8 and a row scale, write the weight's dtype. A block's
-matrices are dequantized by one kernel launch (`Int8Matrices`), because the host time of a
-launch per matrix exceeded the copy engine's time per block (the forward of an offloaded Flux
-step at 1024x1024 was host-bound)."""
+matrices are dequantized by one kernel launch (`Int8Matrices`): the host time of a launch per
+matrix exceeds the copy engine's time per block (benchmarks/results/h200_flux_offload/README.md)."""
 
 from __future__ import annotations
 

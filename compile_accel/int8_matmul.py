@@ -34,9 +34,9 @@ def _scaled_int8_mm(
     """(a · bᵀ) * a_scale[:, None] * b_scale[None, :] + bias, in out_dtype: a (m x k) and b (n x k)
     int8, a_scale (m) and b_scale (n) fp32, bias (n) of any floating dtype or None.
 
-    A triton_op: in a compiled graph inductor launches the kernel from its generated code. As an
-    opaque custom op each call cost ~0.2 ms of host time, more than the kernel's time at SD3's
-    sizes on an H200 restricted to a 4090's 24 SMs (profiled 2026-11-28)."""
+    A triton_op: in a compiled graph inductor launches the kernel from its generated code. An
+    opaque custom op costs ~0.2 ms of host time per call, more than the kernel's time at SD3's
+    sizes on 24 SMs (a 4090's)."""
     a, b = a.contiguous(), b.contiguous()
     kernel = _kernel() if a.is_cuda else None
     m, k = a.shape

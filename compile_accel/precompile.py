@@ -1,11 +1,11 @@
 """Warm starts without dynamo's trace: region graphs saved as torch's precompiled functions.
 
 With inductor's and AOTAutograd's caches warm, a first step still traces each region graph with
-dynamo and loads AOTAutograd's entries before the step runs: 3.1-5.9 s of compile time in the
-warm first steps of sd-scripts' Flux fp8 and Lumina 2 on an H200
-(benchmarks/results/h200_precompile/). torch's `aot_compile` (experimental, torch >= 2.10) turns
-one call of a function into an object holding the compiled graph (its kernels bundled) and
-dynamo's guards, which saves to bytes and loads in another process without a trace.
+dynamo and loads AOTAutograd's entries before the step runs: seconds of a warm first step, which
+a precompiled graph skips (docs/compile-workers.md; benchmarks/results/h200_precompile/README.md).
+torch's `aot_compile` (experimental, torch >= 2.10) turns one call of a function into an object
+holding the compiled graph (its kernels bundled) and dynamo's guards, which saves to bytes and
+loads in another process without a trace.
 
 Each CompiledFunction (compile_accel.regions) has a `Precompiled`:
 - `note(owner, args, kwargs, budget)`: a call that compiled a graph, kept as its layout (the
@@ -16,8 +16,8 @@ Each CompiledFunction (compile_accel.regions) has a `Precompiled`:
 - `capture(compile_for, budget)`: each call noted at `budget` traced again by `aot_compile` on
   stand-in tensors of its layout. The graph goes to the compile workers
   (compile_accel.compile_workers.precompile_in_workers), which compile it as aot_compile does:
-  its bundled form bypasses inductor's graph cache, so it is a second compile of the graph
-  (14-25 s for Flux's and Lumina 2's blocks in the training process), kept off the steps.
+  its bundled form bypasses inductor's graph cache, so it is a second compile of the graph, kept
+  off the steps (docs/compile-workers.md).
 - `load(entries)`, then `find(owner, args, kwargs, budget)`: a loaded graph compiled at this
   budget for this class, grad mode and autocast whose guards pass for the call, or None (the
   call then compiles as usual).
@@ -246,10 +246,10 @@ def saved_guards(entries: Sequence[Any]) -> list[bool]:
     aot_compile's own filter, whose rule it repeats: none on module globals, none of a kind torch
     cannot save). Also left out: a constant match that derives an identity check, which torch's
     filter (2.11 to 2.14) keeps, and whose save then fails. diffusers' Attention reads its
-    processor's signature, and dynamo checks the identity of that `__call__`'s code so: every
-    diffusers Lumina 2 block was left out ("ID_MATCH guard cannot be serialized"). Other guards
-    deriving a check torch cannot save (a tensor matched by identity) still fail the save: such a
-    graph is left out, as before."""
+    processor's signature, and dynamo checks the identity of that `__call__`'s code so: with
+    torch's filter every diffusers Lumina 2 block would be left out ("ID_MATCH guard cannot be
+    serialized"). Other guards deriving a check torch cannot save (a tensor matched by identity)
+    still fail the save: such a graph is left out."""
     from torch._dynamo.guards import CheckFunctionManager
 
     unsaved = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)

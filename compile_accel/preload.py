@@ -1,11 +1,11 @@
 """Inductor's compiler imported in a background thread while the program sets up.
 
 The first graph a process compiles or loads imports inductor's code generation (lowerings,
-kernel templates, decompositions) and hashes Triton's sources for inductor's cache keys: in warm
-starts of sd-scripts' Lumina 2 on an H200, most of the 1.7-2.3 s it took to load the precompiled
-graphs (compile_accel.precompile; benchmarks/results/h200_warm_start/), all of it in the first
-step. None of it depends on the model, so `start_preloading()` does it in a thread beside what a
-trainer does before its first step (reading the weights, building the model and the optimizer).
+kernel templates, decompositions) and hashes Triton's sources for inductor's cache keys: most of
+a warm start's load of the precompiled graphs (compile_accel.precompile), all of it in the first
+step (benchmarks/results/h200_warm_start/README.md). None of it depends on the model, so
+`start_preloading()` does it in a thread beside what a trainer does before its first step (reading
+the weights, building the model and the optimizer).
 The sd-scripts launcher starts it once the training script's flags ask for a compile, the
 bench's child before it builds a compiled mode's model. `apply()` waits for it before compile_accel
 touches inductor, so that compile_accel's own imports never run beside the preload's (an import
@@ -15,8 +15,8 @@ with torch.compile itself before apply() calls `wait_for_preload()` first.
 The thread touches no GPU: Triton's source hash is its own (`triton_key`), not the one with
 the GPU's target, which would initialise CUDA in this thread.
 
-(A thread started at apply() was tried before: with no set-up left to overlap, it ran beside
-the first step's dynamo trace and slowed it more than it saved.)
+(Not started at apply(): with no set-up left to overlap, the thread runs beside the first step's
+dynamo trace and slows it more than it saves.)
 """
 
 from __future__ import annotations

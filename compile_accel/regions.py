@@ -471,7 +471,8 @@ class Region:
         # The tensors are read on every call: FSDP2 and offloaders replace parameters. The dicts
         # that hold them are gathered again only after a module somewhere registered a child,
         # parameter or buffer (LoRA injected after the first call): walking the module tree on
-        # every call cost ~0.7 ms per Flux block, more host time than an offloaded block's GPU time.
+        # every call costs more host time than an offloaded block's GPU time
+        # (benchmarks/results/h200_flux_offload/README.md).
         if self._tensor_dicts_generation != _module_tree_changes[0]:
             self._tensor_dicts = [d for m in self.module.modules() for d in (m._parameters, m._buffers)]
             self._tensor_dicts_generation = _module_tree_changes[0]

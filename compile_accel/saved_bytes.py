@@ -12,27 +12,24 @@ step. The first time a budget is asked for, each graph's joint graph is partitio
 at it (on a copy), up to the partitioner's choice of what to save: the bytes are read from the
 fake values dynamo and AOTAutograd traced (storages, so a saved view keeps its whole base, as it
 does in training), and the forward and backward graphs are never built (their extraction and
-the backward's reordering took 20 of 46 s of partitioning in a CPU profile of sd-scripts' SDXL
-U-Net, torch 2.14).
-Partitioning is most of what the estimate costs (a second or so per graph and budget for a
-full-size block before it stopped early), so only the budgets asked for are partitioned: auto
-bisects for the largest predicted to fit; and the min cuts a partition solves before its
+the backward's reordering: 20 of 46 s of SDXL U-Net's partitioning in a CPU profile).
+Partitioning is most of what the estimate costs, so only the budgets asked for are partitioned:
+auto bisects for the largest predicted to fit; and the min cuts a partition solves before its
 budget matters are solved once per graph. The traced budget's own partition is counted the
 same way, as it goes.
 
 With compile workers, each graph goes to a worker as dynamo traced it instead, which traces and
 partitions it the same way at every candidate (PartitionedPerBudget), while this process runs
 the traced step with the graph uncompiled under a checkpoint (`add_checkpointed`): it keeps
-nothing of the graph's but its inputs, so a budget adds all it saves. AOTAutograd's trace and
-the traced budget's partition were half of sd-scripts' SDXL U-Net's traced step (CPU profile,
-torch 2.14), and this process no longer waits for them. A graph no worker partitioned is
-partitioned here the same way (warned about).
+nothing of the graph's but its inputs, so a budget adds all it saves. This process does not wait
+for AOTAutograd's trace and the traced budget's partition (half of SDXL U-Net's traced step in a
+CPU profile). A graph no worker partitioned is partitioned here the same way (warned about).
 
 The traced graphs hold the attention kernels the compiled step would run (cuDNN's, where
 torch picks it): the partitioner decides differently for them (cuDNN's attention is not among
-its compute-intensive ops, flash and efficient attention are). Traced with cuDNN's kernel
-ruled out, diffusers' Lumina 2 was predicted 10.91 GiB at budget 0.1 where the compiled step
-peaks at 8.86 GiB (9.90 predicted with it), and auto chose 0.0.
+its compute-intensive ops, flash and efficient attention are): traced with cuDNN's kernel ruled
+out, a prediction overshoots the compiled step's peak and auto picks too small a budget
+(benchmarks/results/h100_auto_lazy/README.md).
 
 auto (compile_accel.auto_budget) uses it to compile and time only the budgets that should fit,
 instead of compiling each candidate with inductor to find out.
@@ -86,9 +83,9 @@ def _laid_out_as(grad: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 def cudnn_attention_gradients_laid_out(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """`gm` (a backward graph, changed in place) with each cuDNN attention backward given the
     output's gradient in the output's strides, as inductor's lowering gives it (its SDPA layout
-    constraint); run uncompiled, the graph passes the gradient as it comes. On sd-scripts' Flux
-    (H100, torch 2.11) it came with strides (70778880, 128, 15360, 1) against the output's
-    (14155776, 589824, 128, 1), and cuDNN's backward failed with an illegal memory access."""
+    constraint); run uncompiled, the graph passes the gradient as it comes, in other strides than
+    the output's, and cuDNN's backward fails with an illegal memory access (torch 2.11;
+    benchmarks/results/h100_auto_lazy/README.md)."""
     target = torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default
     calls = [node for node in gm.graph.nodes if node.op == "call_function" and node.target is target]
     for node in calls:
@@ -173,9 +170,10 @@ def _remembering_min_cuts(min_cuts: MinCuts) -> Iterator[None]:
     """Inside, the partitioner's min cuts on this thread are solved once per graph and options
     (kept in `min_cuts`, by node name: each partition gets a copy of the joint graph). A
     budget between 0 and 1 solves up to three min cuts (default, more and fully aggressive
-    recomputation) that do not depend on the budget, before the knapsack that does; they were
-    two thirds of a bisection partition of sd-scripts' SDXL U-Net (CPU profile, torch 2.14).
-    Called so, with these arguments, in torch 2.11 to 2.14."""
+    recomputation) that do not depend on the budget, before the knapsack that does; remembered,
+    a graph's later partitions take a fifth of the time
+    (benchmarks/results/h200_auto_one_trace/README.md). Called so, with these arguments, in
+    torch 2.11 to 2.14."""
     solve = partitioners.solve_min_cut
     thread = threading.get_ident()
 
@@ -258,8 +256,7 @@ class GraphRecord:
 
 
 # How long after the counted step the workers have for their partitions of its graphs: a graph
-# still out then is partitioned here (sd-scripts' SDXL U-Net's largest graph: 28-31 s in a
-# worker on an H200's host).
+# still out then is partitioned here (SDXL U-Net's largest graph takes ~30 s in a worker).
 WORKER_PARTITIONS_TIMEOUT_SECONDS = 120.0
 
 

@@ -58,8 +58,9 @@ _ATTENTION_WITHOUT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATT
 
 def _uncompiled(gm: torch.fx.GraphModule, *inputs: Any) -> Any:
     # Without cuDNN's attention: its eager backward fails on gradients laid out as a compiled
-    # step's neighbours give them (sd-scripts' Flux fp8 on an H200, torch 2.11: an illegal memory
-    # access); inductor's lowering lays them out for it, eager does not.
+    # step's neighbours give them (torch 2.11: an illegal memory access;
+    # benchmarks/results/h200_workers_whole_compile/README.md); inductor's lowering lays them out
+    # for it, eager does not.
     with sdpa_kernel(_ATTENTION_WITHOUT_CUDNN):
         return gm(*inputs)
 
@@ -252,9 +253,9 @@ class _CallInBackward(torch.autograd.Function):
 def _in_a_backward(call: Callable[[], None], device: torch.device) -> None:
     """Call `call` inside a backward, on the thread the autograd engine runs `device`'s backward
     work on: where a checkpoint recomputes a graph's forward. Some of what a first run sets up is
-    kept per thread, as ATen keeps cuDNN's attention plans: without this run, sd-scripts' SDXL
-    (reentrant checkpoints) had its step after the wait 0.19-0.27 s over the later ones, in its
-    attention calls (benchmarks/results/h200_step_after_wait_threads/)."""
+    kept per thread, as ATen keeps cuDNN's attention plans: without this run, a model under
+    reentrant checkpoints pays it in the attention calls of the step after the wait
+    (benchmarks/results/h200_step_after_wait_threads/README.md)."""
     torch.autograd.backward(_CallInBackward.apply(torch.zeros((), device=device, requires_grad=True), call))
 
 

@@ -32,11 +32,10 @@ logger = logging.getLogger("compile_accel")
 # AOTAutograd's knob for compiling the backward with the forward.
 SUPPORTED = GraphPickler is not None and hasattr(AOTAutogradCache, "try_load") and HAS_EAGER_BACKWARD_KNOB
 UNSUPPORTED_WHY = "needs torch's graph pickler and AOTAutograd's cache (torch >= 2.8)"
-# A graph's look-up in the caches before its hand-over costs the step AOTAutograd's cache key
-# (sd-scripts' SDXL, cold: 2.0-2.2 s of AOTAutograd in its first step, 0.85-0.94 s with the
-# look-ups stopped after 4; benchmarks/results/h200_first_step_timeline/). After this many misses
-# in a row (a cold cache) graphs go to the workers without it, where one the caches hold is a
-# quick hit, until a graph is found in them again.
+# A graph's look-up in the caches before its hand-over costs the step AOTAutograd's cache key.
+# After this many misses in a row (a cold cache) graphs go to the workers without it, where one the
+# caches hold is a quick hit, until a graph is found in them again: a cold first step spends less
+# than half as long in AOTAutograd (benchmarks/results/h200_first_step_timeline/README.md).
 MISSES_BEFORE_COLD = 4
 
 

@@ -13,11 +13,11 @@ wait on the workers: warned about once, its jobs still out fail (their graphs co
 after a worker's failure), and every later graph compiles here: no wait and no write to its pipe
 outlives it.
 
-GPU memory: a worker that compiled a graph holds a CUDA context of its own (~520 MiB each on an
-H100, torch 2.11), outside the training process's memory. The pool stops once every job handed
-to it is back and the first step is done (`first_step_done`; before that, after
-IDLE_SECONDS_BEFORE_FIRST_STEP_DONE without a job back) and nobody keeps it (`keep_running`);
-a later graph (new input shapes) starts a new pool.
+GPU memory: a worker that compiled a graph holds a CUDA context of its own (about half a GiB:
+benchmarks/results/h100_compile_workers/README.md), outside the training process's memory. The
+pool stops once every job handed to it is back and the first step is done (`first_step_done`;
+before that, after IDLE_SECONDS_BEFORE_FIRST_STEP_DONE without a job back) and nobody keeps it
+(`keep_running`); a later graph (new input shapes) starts a new pool.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ SPAWNED_POOL = sys.platform == "win32"
 # (benchmarks/results/h200_worker_warm_up/).
 GRAPHS_AT_ONCE = 4
 # Until the first step is done, an idle pool waits this long for more graphs: a first step hands
-# its graphs over in waves (sd-scripts' SDXL: 40 s apart on an H100), and a new pool takes
-# seconds to start.
+# its graphs over in waves, tens of seconds apart, and a new pool takes seconds to start
+# (benchmarks/results/h100_workers_every_mode/README.md).
 IDLE_SECONDS_BEFORE_FIRST_STEP_DONE = 60.0
 # A wait on the workers checks this often that their pool's process is alive.
 LIVENESS_CHECK_SECONDS = 1.0
@@ -264,8 +264,8 @@ POOL = WorkerPool()  # the process-wide pool: one per training process
 
 
 def _at_most_one_per_core(count: int) -> int:
-    # Each worker is a process that imports torch, and more than the cores compile no faster:
-    # compile_workers=100000 had apply() starting processes until the test's time ran out.
+    # Each worker is a process that imports torch, and more than the cores compile no faster; a
+    # count such as 100000 would keep apply() starting processes.
     cores = os.cpu_count() or 1
     if count <= cores:
         return count

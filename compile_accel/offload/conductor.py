@@ -9,8 +9,8 @@ Order and overlap: each block call is a visit. The conductor predicts the next v
 direction of the last two (forward ascends; with checkpointing, backward recomputes blocks in
 descending order) and starts copying the next streamed block on a side stream while the
 current block computes (from a resident block the next two, both slots being free then; in
-int8 mode always two). Measured with Flux at 1024x1024 the copy stream was otherwise idle for
-the length of the resident blocks' compute when they sat together at the end. A wrong guess
+int8 mode always two), so that the copy stream does not idle through the resident blocks'
+compute (benchmarks/results/h200_flux_offload/README.md). A wrong guess
 costs a copy on demand, never correctness.
 
 Backward: autograd may hold a streamed block's weights (saved for backward, or read by a

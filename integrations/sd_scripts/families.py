@@ -301,10 +301,9 @@ FAMILIES: dict[str, ModelAdapter] = {
         offload_ladder=block_swap_ladder(_double_single_most_swapped, supports_backward=True),
     ),
     # U-Nets: every layer the model's loop calls (ResBlocks, transformers, down/upsamplers). SD
-    # 1.x's compile per size: with automatic dynamic shapes 3 of its 24 graphs (train_network.py,
-    # 128x128, torch 2.14) were symbolic ones specialized again to a size by AOTAutograd's cache
-    # and compiled twice; per size, the same 24 and none twice. (SDXL's graphs, measured with
-    # automatic dynamic shapes, keep them.)
+    # 1.x's compile per size: with automatic dynamic shapes AOTAutograd's cache specializes some of
+    # its symbolic graphs to a size again and they compile twice (docs/sd-scripts.md). SDXL's keep
+    # automatic dynamic shapes.
     "SdxlUNet2DConditionModel": ModelAdapter(("input_blocks.*", "middle_block", "output_blocks.*")),
     "UNet2DConditionModel": ModelAdapter(UNET_BLOCK_LISTS, static_shapes=True),
 }

@@ -29,11 +29,12 @@ from . import families
 from .flags import SD_SCRIPTS_COMPILE, LaunchError, add_arguments, config_from_args, say
 
 # A first step that compiled this long without --compile_workers gets a hint to use them: with
-# workers sd-scripts' models reached their first step in 5-15 s (benchmarks/results/
-# h200_workers_every_family/), compiling in process took 20-294 s.
+# workers sd-scripts' first steps take seconds, in process up to minutes
+# (benchmarks/results/h200_workers_every_family/README.md, docs/sd-scripts.md).
 WORKERS_HINT_SECONDS = 20.0
 # At the end of training, how long to wait for graphs still being precompiled in the workers
-# (compile_accel.precompile; on an H200 they were written 9-11 s after the first step).
+# (compile_accel.precompile): several times the ~10 s after the first step they take
+# (benchmarks/results/h200_precompile/README.md).
 PRECOMPILE_WAIT_SECONDS = 60.0
 
 
