@@ -28,6 +28,7 @@ from compile_accel.auto_budget import (
     choose,
     predict_largest_fitting,
 )
+from compile_accel.auto_budget.search import next_rung
 from compile_accel.memory import SavedActivationMeter
 from compile_accel.saved_bytes import SavedBytesEstimate
 from compile_accel.stats import Stats
@@ -256,6 +257,35 @@ def test_bisection_predicts_the_largest_fitting_and_the_next_larger_with_few_par
     if 0 <= fits_up_to < len(CANDIDATES) - 1:
         assert CANDIDATES[fits_up_to + 1] in predicted  # the next larger, predicted over
     assert len(asked) == len(set(asked)) <= 4  # the lowest, then at most three of the five others
+
+
+@pytest.mark.parametrize("rungs", [1, 2, 5, 9])
+def test_the_ladder_climb_finds_the_lowest_fitting_rung_then_goes_up_while_faster(rungs: int) -> None:
+    """next_rung walked to its end, the state a dict (as a search paused for the compile workers
+    keeps it), over every rung a fit can start at and random step times: the first rung; the
+    lowest that fits, with the one under it seen not to; upward only while each rung is faster."""
+    generator = torch.Generator().manual_seed(rungs)
+    for fits_from in range(rungs + 1):  # rungs >= fits_from fit (rungs: none does)
+        seconds = torch.rand(rungs, generator=generator).tolist()
+        fastest: dict[int, Measurement | None] = {}
+        while (rung := next_rung(fastest, rungs)) is not None:
+            assert rung not in fastest and len(fastest) <= rungs, (rung, fastest)
+            fastest[rung] = Measurement(0.5, seconds[rung], 1) if rung >= fits_from else None
+        measured_fitting = sorted(r for r, m in fastest.items() if m is not None)
+        assert 0 in fastest
+        if fits_from == 0:
+            assert list(fastest) == [0]
+        elif fits_from == rungs:
+            assert measured_fitting == [] and set(fastest) == {0, rungs - 1}
+        else:
+            assert measured_fitting[0] == fits_from and fits_from - 1 in fastest
+            end = fits_from  # the walk up: on while the rung above is faster
+            while end + 1 < rungs and seconds[end + 1] < seconds[end]:
+                end += 1
+            walked = set(range(fits_from, min(end + 2, rungs)))  # (and the one above, seen not faster)
+            assert walked <= set(fastest)
+            # the rest: the first and last rungs, and the bisection's O(log) rungs
+            assert len(set(fastest) - walked - {0, rungs - 1}) <= (rungs - 1).bit_length()
 
 
 def test_a_partition_stopped_at_its_choice_counts_what_the_whole_partition_saves(monkeypatch) -> None:

@@ -11,7 +11,6 @@ eager value) below 1e-4 in float32, as tests/test_parity.py: inductor reorders r
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import errno
 import json
 import os
@@ -29,7 +28,6 @@ from torch import nn
 
 import compile_accel
 from compile_accel import CompileConfig, compile_workers
-from compile_accel.auto_budget import _InWorkers
 from compile_accel.backend import RegionBackend
 
 pytestmark = pytest.mark.skipif(
@@ -412,7 +410,7 @@ def test_auto_runs_its_traced_step_uncompiled_under_checkpoints_while_workers_pa
     partitioned here, each graph's bytes are what the same job gives here, and since the
     checkpoint kept nothing of a graph's, a budget adds all it saves per call."""
     from compile_accel import saved_bytes
-    from compile_accel.auto_budget import CANDIDATES
+    from compile_accel.auto_budget import CANDIDATES, Waiting
 
     monkeypatch.setenv("COMPILE_ACCEL_CACHE_DIR", str(tmp_path / "compile_accel"))
     model, _, _, _ = _twins_compiled_in_workers(tmp_path / "inductor", monkeypatch)
@@ -434,8 +432,8 @@ def test_auto_runs_its_traced_step_uncompiled_under_checkpoints_while_workers_pa
             patch.setattr(saved_bytes.SavedBytesEstimate, "_partition_traced", note)
             patch.setattr(saved_bytes, "partition_saved_bytes", note)
             patch.setattr(compile_workers.graphs, "checkpoint", counted_checkpoint)
-            with contextlib.suppress(_InWorkers):  # (the workers' partitions not back yet)
-                predict(run, device, parameters, counts, limit=-1)  # the traced step alone
+            waiting = predict(run, device, parameters, counts, limit=-1)  # the traced step alone
+            assert isinstance(waiting, Waiting)  # for the workers' partitions
             added.extend(auto._estimate.added_bytes(budget) for budget in CANDIDATES)
         raise KeyboardInterrupt
 

@@ -55,9 +55,9 @@ from __future__ import annotations
 
 from ..memory import GIB
 from .cache import CacheEntry, PredictedPeak, cache_path
-from .calibration import AutoBudget, _InWorkers
+from .calibration import AutoBudget
 from .measure import default_limit_bytes
-from .search import CANDIDATES, Measurement, OffloadLadder, choose, predict_largest_fitting, spaced_levels
+from .search import CANDIDATES, Measurement, OffloadLadder, Waiting, choose, predict_largest_fitting, spaced_levels
 
 __all__ = [
     "CANDIDATES",
@@ -67,7 +67,7 @@ __all__ = [
     "Measurement",
     "OffloadLadder",
     "PredictedPeak",
-    "_InWorkers",
+    "Waiting",
     "cache_path",
     "choose",
     "default_limit_bytes",

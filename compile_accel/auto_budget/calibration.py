@@ -24,14 +24,9 @@ from ..stats import Stats, warn
 from .cache import CacheEntry, PredictedPeak, cache_path, cached_entry, write_entry
 from .measure import Measure, Predict, default_limit_bytes, measure, run_once
 from .report import level_text, setting, table_lines
-from .search import CANDIDATES, Measurement, OffloadLadder, choose, climb, predict_largest_fitting
+from .search import CANDIDATES, Measurement, OffloadLadder, Waiting, choose, next_rung, predict_largest_fitting
 
 logger = logging.getLogger("compile_accel")
-
-
-class _InWorkers(Exception):
-    """Calibration waits for the compile workers (a candidate's graphs, or the partitions of the
-    traced step's): the search goes on at a later step. The message says what for, for the log."""
 
 
 @dataclass
@@ -49,7 +44,7 @@ class _Search:
     waited_seconds: float = 0.0  # of the training steps, inside calibration
     predicted: dict[float | None, dict[float, int]] = field(default_factory=dict)  # per rung, in order
     tables: dict[int, list[Measurement]] = field(default_factory=dict)  # per rung index
-    complete: set[int] = field(default_factory=set)  # rungs measured to the end
+    fastest: dict[int, Measurement | None] = field(default_factory=dict)  # per rung measured to the end (None: none fits)
     in_workers: tuple[float | None, float] | None = None  # (rung, budget) whose graphs the workers compile
     in_workers_stats: Stats | None = None  # what that budget compiled (its graphs count in it once back)
     traced_peak: int | None = None  # the traced step's peak, while the workers partition its graphs
@@ -205,24 +200,17 @@ class AutoBudget:
             compile_workers.hold_switches(search.in_workers_stats, False)
             counts.append(search.in_workers_stats)
 
-        def fastest(rung: int) -> Measurement | None:
-            if rung not in search.complete:
-                self._measure_rung(search, rung, counts)
-                search.complete.add(rung)
-            fitting = [m for m in search.tables[rung] if not m.out_of_memory and m.peak_bytes <= search.limit]
-            return min(fitting, key=lambda m: m.seconds, default=None)
-
         try:
             with torch.random.fork_rng(devices=[search.device] if search.device.type == "cuda" else []):
-                climb(fastest, len(search.levels))
+                waiting = self._climb(search, counts)
+            if waiting is not None:
+                search.waited_seconds += time.perf_counter() - resumed
+                if search.in_workers_stats is not None:
+                    compile_workers.hold_switches(search.in_workers_stats, True)
+                logger.info("auto: %s", waiting.what)
+                return None
             measurements = [m for rung in sorted(search.tables) for m in search.tables[rung]]
             best, fits = choose(measurements, search.limit)
-        except _InWorkers as waiting:
-            search.waited_seconds += time.perf_counter() - resumed
-            if search.in_workers_stats is not None:
-                compile_workers.hold_switches(search.in_workers_stats, True)
-            logger.info("auto: %s", waiting)
-            return None
         except BaseException as error:
             self._search = None
             self._recover(search.ladder, error)
@@ -295,16 +283,30 @@ class AutoBudget:
         levels: tuple[float | None, ...] = (None,) if ladder is None else ladder.levels
         return _Search(run, device, key, limit, ladder, levels, time.perf_counter())
 
-    def _measure_rung(self, search: _Search, rung: int, counts: list[Stats]) -> None:
+    def _climb(self, search: _Search, counts: list[Stats]) -> Waiting | None:
+        """Measure the rungs the climb asks for (search.next_rung), each to the end; what it
+        waits for, where a rung's measurement does (the next call goes on from there)."""
+        while (rung := next_rung(search.fastest, len(search.levels))) is not None:
+            waiting = self._measure_rung(search, rung, counts)
+            if waiting is not None:
+                return waiting
+            fitting = [m for m in search.tables[rung] if not m.out_of_memory and m.peak_bytes <= search.limit]
+            search.fastest[rung] = min(fitting, key=lambda m: m.seconds, default=None)
+        return None
+
+    def _measure_rung(self, search: _Search, rung: int, counts: list[Stats]) -> Waiting | None:
         """At one rung of the ladder: the candidates' peaks predicted, then the largest predicted
         to fit and smaller ones measured until one fits; the lowest candidate when none is
-        predicted to (module docstring). Into `search`; a rung cut short by _InWorkers goes on
-        where it stopped."""
+        predicted to (module docstring). Into `search`; where it waits for the compile workers,
+        what for (called again, it goes on where it stopped)."""
         level = search.levels[rung]
         parameters = [*self.model.parameters()]
         if level not in search.predicted:
             self._go(search.ladder, level)
-            search.predicted[level] = self.predict(search.run, search.device, parameters, counts, search.limit)
+            predicted = self.predict(search.run, search.device, parameters, counts, search.limit)
+            if isinstance(predicted, Waiting):
+                return predicted
+            search.predicted[level] = predicted
         predicted = search.predicted[level]
         fitting = [b for b, peak in predicted.items() if peak <= search.limit]
         order = [b for b in reversed(self.candidates) if fitting and b <= max(fitting)] or [self.candidates[0]]
@@ -313,16 +315,19 @@ class AutoBudget:
             measured = next((m for m in table if m.budget == budget), None) or self._measure_budget(
                 search, level, budget, parameters, counts
             )
+            if isinstance(measured, Waiting):
+                return measured
             if measured not in table:
                 table.append(measured)
             if not measured.out_of_memory and measured.peak_bytes <= search.limit:
                 break
+        return None
 
     def _measure_budget(
         self, search: _Search, level: float | None, budget: float, parameters: list[torch.Tensor], counts: list[Stats]
-    ) -> Measurement:
-        """Compile `budget` at `level` and measure it; _InWorkers when its graphs went to the
-        compile workers (measured when called again, once they are back)."""
+    ) -> Measurement | Waiting:
+        """Compile `budget` at `level` and measure it; what it waits for where its graphs went to
+        the compile workers (measured when called again, once they are back)."""
         back = search.in_workers == (level, budget)  # its Stats is in `counts` already (calibrate)
         if not back:
             counts.append(Stats(regions=self.stats.regions))
@@ -341,7 +346,7 @@ class AutoBudget:
                 if counts[-1].worker_graphs_started:
                     search.in_workers, search.in_workers_stats = (level, budget), counts.pop()
                     predicted = search.predicted[level].get(budget)  # none where the traced step ran out of memory
-                    raise _InWorkers(
+                    return Waiting(
                         f"{setting(budget, level, search.ladder)} "
                         f"({'' if predicted is None else f'predicted {predicted / GIB:.2f} GiB, '}"
                         f"limit {search.limit / GIB:.2f} GiB) is compiling in the workers; the steps run it "
@@ -362,9 +367,9 @@ class AutoBudget:
         parameters: list[torch.Tensor],
         counts: list[Stats],
         limit: int,
-    ) -> dict[float, int]:
+    ) -> dict[float, int] | Waiting:
         """Candidates' peaks from one step traced at the lowest (compile_accel.saved_bytes): that
-        one, then by bisection (`predict_largest_fitting`). _InWorkers where compile workers are
+        one, then by bisection (`predict_largest_fitting`). Waiting where compile workers are
         still partitioning the step's graphs when it ends: the training steps run them
         uncompiled under checkpoints meanwhile, and the call after they are back predicts from
         this step. Called by calibration, with its search."""
@@ -392,7 +397,7 @@ class AutoBudget:
                 # The steps until then count into the Acceleration's stats (`counts` is absorbed
                 # into them at this call's end, before they run).
                 self.set_budget(self.candidates[0], self.stats, estimate=estimate)
-                raise _InWorkers(
+                return Waiting(
                     "the compile workers partition the traced step's graphs; the steps run them uncompiled "
                     "under checkpoints until they are back, then a budget is picked"
                 )

@@ -10,6 +10,7 @@ import torch
 from .. import compile_workers
 from ..memory import GIB, SavedActivationMeter, dedicated_bytes
 from ..stats import Stats
+from .search import Waiting
 
 
 def default_limit_bytes(device: torch.device) -> int:
@@ -66,4 +67,4 @@ Measure = Callable[..., tuple[float, int]]
 # (run, device, parameters, counts, limit) -> predicted peak bytes of candidates, among them the
 # largest predicted to fit `limit` and the next larger one ({}: no prediction; a larger budget
 # is taken to need more, a smaller one less).
-Predict = Callable[[Callable[[], None], torch.device, list[torch.Tensor], list[Stats], int], dict[float, int]]
+Predict = Callable[[Callable[[], None], torch.device, list[torch.Tensor], list[Stats], int], dict[float, int] | Waiting]

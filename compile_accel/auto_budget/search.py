@@ -3,7 +3,7 @@ among measurements, the bisections over budgets and over the ladder's rungs."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 CANDIDATES = (0.0, 0.1, 0.3, 0.5, 0.7, 1.0)
@@ -16,6 +16,15 @@ class Measurement:
     peak_bytes: int
     out_of_memory: bool = False  # the run raised torch.OutOfMemoryError (seconds and peak: 0)
     offload: float | None = None  # the offload ladder's rung it ran at; None without a ladder
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """What a search step returns where it waits for the compile workers (a candidate's graphs,
+    or the partitions of the traced step's): the search goes on at a later step. `what`: what
+    for, in words, for the log."""
+
+    what: str
 
 
 @dataclass(frozen=True)
@@ -74,20 +83,35 @@ def predict_largest_fitting(
             high = middle - 1
 
 
-def climb(fastest: Callable[[int], Measurement | None], rungs: int) -> None:
-    """Measure the rungs the search needs (see the module docstring): the first; if nothing fits
-    there, the last, then bisection for the lowest that fits, then upward while faster."""
-    if fastest(0) is not None or rungs == 1 or fastest(rungs - 1) is None:
-        return
+def next_rung(fastest: Mapping[int, Measurement | None], rungs: int) -> int | None:
+    """The next rung the climb needs measured, given each measured rung's fastest fitting run
+    (None: nothing fits there); None when the climb is over. The climb: the first rung; if
+    nothing fits there, the last, then bisection for the lowest that fits, then upward while
+    faster. Measuring what it returns and asking again walks the climb; a search that pauses
+    asks again later with what it has."""
+    if 0 not in fastest:
+        return 0
+    if fastest[0] is not None or rungs == 1:
+        return None
+    if rungs - 1 not in fastest:
+        return rungs - 1
+    if fastest[rungs - 1] is None:
+        return None
     low, high = 1, rungs - 1  # `high` fits
     while low < high:
         middle = (low + high) // 2
-        if fastest(middle) is not None:
+        if middle not in fastest:
+            return middle
+        if fastest[middle] is not None:
             high = middle
         else:
             low = middle + 1
     while high + 1 < rungs:
-        here, above = fastest(high), fastest(high + 1)
+        for rung in (high, high + 1):
+            if rung not in fastest:
+                return rung
+        here, above = fastest[high], fastest[high + 1]
         if above is None or above.seconds >= here.seconds:
-            return
+            return None
         high += 1
+    return None
