@@ -258,6 +258,10 @@ ANIMA_CONFIG: dict = dict(
     use_llm_adapter=True,
 )
 QWEN3_FEATURES = 1024
+# HunyuanImage 2.1's sizes are fixed in its __init__; its text input is Qwen2.5-VL 7B's hidden
+# states (a caption's tokens, here 256) and byT5's 128 tokens of quoted text (here 16 of them).
+# Tests swap in a small width.
+HUNYUAN_IMAGE_TEXT_FEATURES = 3584
 
 
 @dataclass(frozen=True)
@@ -279,6 +283,7 @@ class SdScriptsModel:
     call: Callable[[nn.Module], torch.Tensor]  # the forward, as the trainer calls the model
     latents: torch.Tensor  # the noisy input; the prediction has its shape
     conditions: list[torch.Tensor]  # the other float inputs the trainer makes require grad
+    swap_options: dict = field(default_factory=dict)  # what the trainer passes enable_block_swap besides (N, device)
 
 
 def _sd_scripts_path() -> None:
@@ -298,7 +303,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def _sd_scripts_base(make: Callable[[], nn.Module], device: str, options: SdScriptsOptions) -> nn.Module:
+def _sd_scripts_base(spec: SdScriptsModel, device: str, options: SdScriptsOptions) -> nn.Module:
     """The frozen base model as the trainers load it. Built in bf16 (a full-size fp32 copy would not
     fit where the bf16 one does). fp8_base casts the whole model, every float parameter and buffer,
     to float8_e4m3fn, as flux/sd3/lumina_train_network.py's load_target_model do
@@ -309,11 +314,30 @@ def _sd_scripts_base(make: Callable[[], nn.Module], device: str, options: SdScri
     # Random weights are drawn on the device: initialising a 12B model on the host takes minutes
     # per mode. bf16 Flux-dev (22.2 GiB) still fits a 24 GiB cap before the fp8 cast halves it.
     with torch.device(device), _default_dtype(torch.bfloat16):
-        model = make()
+        model = spec.make()
     model.to(torch.float8_e4m3fn if options.fp8_base else torch.bfloat16).requires_grad_(False)
     if options.blocks_to_swap:
-        model.enable_block_swap(options.blocks_to_swap, torch.device(device))
+        model.enable_block_swap(options.blocks_to_swap, torch.device(device), **spec.swap_options)
     return model
+
+
+@torch.no_grad()
+def _drawn_on_host(model: nn.Module, device: str) -> None:
+    """Random weights for the parameters a loader left on the meta device, drawn on `device` one
+    module at a time (its reset_parameters) and kept on the host, where a trainer's loader leaves
+    a model too large for the GPU before block swap places it."""
+    for name, module in model.named_modules():
+        own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        if not any(t.is_meta for t in own):
+            continue
+        if not hasattr(module, "reset_parameters") or not all(t.is_meta for t in own):
+            raise TypeError(f"{name} ({type(module).__name__}): no reset_parameters to draw its weights with")
+        module.to_empty(device=device, recurse=False)
+        module.reset_parameters()
+        drawn = [t.to("cpu", copy=True) for t in module.parameters(recurse=False)]  # (to_empty reuses the objects)
+        module.to_empty(device="cpu", recurse=False)
+        for parameter, value in zip(module.parameters(recurse=False), drawn):
+            parameter.copy_(value)
 
 
 def _sd_scripts_lora(model: nn.Module, spec: SdScriptsModel, rank: int, device: str) -> nn.Module:
@@ -344,7 +368,7 @@ def _sd_scripts_bench(spec: SdScriptsModel, device: str, lora_rank: int, options
     from compile_accel.integrations import sd_scripts as accel_sd_scripts
 
     swap = options.blocks_to_swap
-    model = _sd_scripts_base(spec.make, device, options)
+    model = _sd_scripts_base(spec, device, options)
     network = _sd_scripts_lora(model, spec, lora_rank, device)
     model._bench_network = [network]  # kohya keeps the network outside the model
     _place(model, device, swap)
@@ -574,6 +598,45 @@ def sdscripts_anima(
     return _sd_scripts_bench(spec, device, lora_rank, options)
 
 
+def sdscripts_hunyuan_image(
+    device: str, lora_rank: int, batch: int | None, res: int | None, options: SdScriptsOptions = SdScriptsOptions()
+) -> BenchModel:
+    """kohya sd-scripts' HunyuanImage 2.1 DiT (library/hunyuan_image_models.py, 20 double and 40
+    single blocks of width 3584: 17B parameters), built as its loader builds it (parameters on the
+    meta device), random bf16 weights drawn on the device and kept on the host: 34 GB, over a 24
+    GiB card, so run it with --blocks-to-swap, as its trainer (which has no --fp8_base) is run.
+    Its own LoRA (networks/lora_hunyuan_image.py); called as hunyuan_image_train_network.py calls
+    it: the 32x VAE's 64-channel latents, integer timesteps, the caption's Qwen2.5-VL hidden states
+    and byT5's with their masks; block swap with backward support, as that trainer enables it."""
+    _sd_scripts_path()
+    from library import hunyuan_image_models
+
+    batch, res = batch or 1, res or 1024
+    x = torch.randn(batch, 64, res // 32, res // 32, device=device, dtype=torch.bfloat16)
+    t = torch.randint(0, 1000, (batch,), device=device)
+    text = torch.randn(batch, 256, HUNYUAN_IMAGE_TEXT_FEATURES, device=device, dtype=torch.bfloat16)
+    text_mask = torch.ones(batch, 256, dtype=torch.int64, device=device)
+    glyphs = torch.randn(batch, 128, 1472, device=device, dtype=torch.bfloat16)
+    glyph_mask = (torch.arange(128, device=device) < 16).long().expand(batch, -1)
+
+    def make() -> nn.Module:
+        model = hunyuan_image_models.create_model("torch", False, torch.bfloat16)
+        _drawn_on_host(model, device)
+        return model
+
+    spec = SdScriptsModel(
+        f"sd-scripts HunyuanImage 2.1 DiT, batch {batch}, {res}x{res}, lora_hunyuan_image",
+        make,
+        "lora_hunyuan_image",
+        2,
+        lambda module: module(x, t, text, text_mask, glyphs, glyph_mask),
+        x,
+        [text, glyphs],
+        swap_options={"supports_backward": True},
+    )
+    return _sd_scripts_bench(spec, device, lora_rank, options)
+
+
 MODELS: dict[str, Callable[..., BenchModel]] = {  # (device, lora_rank, batch, res) -> BenchModel
     "tiny": tiny,
     "lumina2": lumina2,
@@ -586,7 +649,10 @@ MODELS: dict[str, Callable[..., BenchModel]] = {  # (device, lora_rank, batch, r
     "sdscripts-sd15": sdscripts_sd15,
     "sdscripts-sd3": sdscripts_sd3,
     "sdscripts-anima": sdscripts_anima,
+    "sdscripts-hunyuan-image": sdscripts_hunyuan_image,
 }
 # The models --fp8-base and --blocks-to-swap apply to (their builders take SdScriptsOptions).
 SD_SCRIPTS_MODELS = sorted(name for name in MODELS if name.startswith("sdscripts-"))
-BLOCK_SWAP_MODELS = ["sdscripts-anima", "sdscripts-flux", "sdscripts-lumina2", "sdscripts-sd3"]  # the SDXL U-Net has no enable_block_swap
+# hunyuan_image_train_network.py refuses --fp8_base (it has --fp8_scaled, weights and scales of its own).
+FP8_BASE_MODELS = [name for name in SD_SCRIPTS_MODELS if name != "sdscripts-hunyuan-image"]
+BLOCK_SWAP_MODELS = ["sdscripts-anima", "sdscripts-flux", "sdscripts-hunyuan-image", "sdscripts-lumina2", "sdscripts-sd3"]  # the SDXL U-Net has no enable_block_swap

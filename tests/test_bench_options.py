@@ -32,6 +32,7 @@ from compile_accel.benchmarks.runner import BenchSettings, StepResult
     [
         (["--fp8-base"], "--fp8-base is sd-scripts' --fp8_base, for sdscripts-anima, sdscripts-flux"),
         (["--fp8-base", "--model", "flux"], "not for flux"),
+        (["--fp8-base", "--model", "sdscripts-hunyuan-image"], "not for sdscripts-hunyuan-image"),
         (["--blocks-to-swap", "4"], "--blocks-to-swap is sd-scripts' block swap"),
         (["--blocks-to-swap", "4", "--model", "sdscripts-sdxl"], "not in sdscripts-sdxl"),
         (["--blocks-to-swap", "4", "--model", "sd3"], "not in sd3"),
@@ -289,6 +290,7 @@ def small_sd_scripts(monkeypatch):
         pytest.skip(f"sd-scripts' library does not import here: {error}")
     sys.path.insert(0, str(Path(__file__).parent))
     from sd_scripts_small_anima import ANIMA_SHAPES, SMALL_ADAPTER, SMALL_ANIMA, small_llm_adapter
+    from sd_scripts_small_hunyuan_image import WIDTH, patches as small_hunyuan_image
     from sd_scripts_small_lumina import small_nextdit
     from sd_scripts_small_sd15 import small_factories
 
@@ -307,6 +309,9 @@ def small_sd_scripts(monkeypatch):
     monkeypatch.setattr(models, "ANIMA_CONFIG", {**ANIMA_SHAPES, **SMALL_ANIMA})
     monkeypatch.setattr(models, "QWEN3_FEATURES", SMALL_ADAPTER["source_dim"])
     monkeypatch.setattr(anima_models, "LLMAdapter", small_llm_adapter)
+    for owner, name, value in small_hunyuan_image():
+        monkeypatch.setattr(owner, name, value)
+    monkeypatch.setattr(models, "HUNYUAN_IMAGE_TEXT_FEATURES", WIDTH)
 
 
 def _lora_step(bench: models.BenchModel) -> tuple[float, list[torch.Tensor]]:
@@ -323,8 +328,9 @@ def _lora_step(bench: models.BenchModel) -> tuple[float, list[torch.Tensor]]:
     return loss.item(), [p.grad for p in bench.lora_params]
 
 
-# SD 1.x at 64x64 has one token at its middle block, whose attention's q and k then get no gradient.
-RESOLUTION = {"sdscripts-sd15": 128}
+# SD 1.x at 64x64 has one token at its middle block, whose attention's q and k then get no gradient;
+# HunyuanImage's 32x latents want more than 2x2.
+RESOLUTION = {"sdscripts-sd15": 128, "sdscripts-hunyuan-image": 128}
 
 
 def _build(name: str, options: SdScriptsOptions) -> models.BenchModel:
@@ -350,13 +356,23 @@ FP8_ON_CPU = ["sdscripts-flux", "sdscripts-sd3", "sdscripts-lumina2"]
 SWAP_ON_CPU = [("sdscripts-flux", 2), ("sdscripts-lumina2", 2)]
 
 
-@pytest.mark.parametrize(
-    "name", ["sdscripts-flux", "sdscripts-sd3", "sdscripts-lumina2", "sdscripts-sdxl", "sdscripts-sd15", "sdscripts-anima"]
-)
+@pytest.mark.parametrize("name", models.SD_SCRIPTS_MODELS)
 def test_sd_scripts_bench_model_trains_its_lora(small_sd_scripts, name: str) -> None:
     bench = _build(name, SdScriptsOptions())
     assert {p.dtype for p in bench.model.parameters()} == {torch.bfloat16}
+    assert not any(p.is_meta for p in bench.model.parameters())  # (HunyuanImage's drawn from the meta device)
     _assert_trains(_lora_step(bench)[1])
+
+
+def test_hunyuan_image_bench_model_swaps_blocks_in_its_backward_too(small_sd_scripts) -> None:
+    """As its trainer enables it: with backward support, so that the backward finds each block's
+    weights back on the device, and it computes what it computes without swap."""
+    expected_loss = _lora_step(_build("sdscripts-hunyuan-image", SdScriptsOptions()))[0]
+    bench = _build("sdscripts-hunyuan-image", SdScriptsOptions(blocks_to_swap=1))  # (the fewest it accepts here)
+    assert bench.model.offloader_double.supports_backward and bench.model.offloader_single.supports_backward
+    loss, grads = _lora_step(bench)
+    assert loss == pytest.approx(expected_loss, rel=1e-6)
+    _assert_trains(grads)
 
 
 @pytest.mark.parametrize("name", FP8_ON_CPU)
