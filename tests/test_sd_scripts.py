@@ -529,10 +529,35 @@ def test_a_checkout_without_the_parser_hook_stops_before_training_naming_it_and_
     with pytest.raises(accel.LaunchError) as refusal:
         launcher._install_hooks(accel.Launch())
     assert str(refusal.value) == (
-        "unknown sd-scripts layout: library/train_util.py has no add_training_arguments. Nothing was trained; the "
-        f"launcher is known to work with sd-scripts' {accel.KNOWN_TO_WORK}"
+        "unknown sd-scripts layout: neither library/train_util.py nor library/args.py has add_training_arguments. "
+        f"Nothing was trained; the launcher is known to work with sd-scripts' {accel.KNOWN_TO_WORK}"
     )
     assert "3265f2ed" in accel.KNOWN_TO_WORK and "3265f2ed" in (Path(__file__).parents[1] / ".ci" / "e2e").read_text()
+
+
+def test_newer_sd_scripts_training_arguments_in_library_args_get_the_compile_flags(checkout: Path) -> None:
+    """Newer sd-scripts define add_training_arguments in library/args.py and re-export it from
+    train_util; a trainer that calls library.args' gets the compile flags and its blocks compiled."""
+    (checkout / "library" / "args.py").write_text(FAKE_TRAIN_UTIL)
+    (checkout / "library" / "train_util.py").write_text("from library.args import add_training_arguments  # noqa\n")
+    script = textwrap.dedent(FAKE_SCRIPT).replace("from library import model, train_util", "from library import args as args_util, model")
+    (checkout / "train.py").write_text(script.replace("train_util.add_training_arguments", "args_util.add_training_arguments"))
+    proc = _launch(str(checkout / "train.py"), "--activation_memory_budget", "0.5", "--gradient_checkpointing")
+    assert _result(proc) == {"compiled": True, "checkpointing": [False, False]}
+
+
+def test_a_model_prepared_before_the_compile_flags_were_read_stops_the_launch(checkout: Path) -> None:
+    """A script whose parser was built without add_training_arguments never reads the compile
+    flags (here: the selective switch in the environment): it stops at Accelerator.prepare
+    instead of training uncompiled."""
+    script = textwrap.dedent(FAKE_SCRIPT).replace("train_util.add_training_arguments(parser, True)", 'parser.add_argument("--gradient_checkpointing", action="store_true")')
+    (checkout / "train.py").write_text(script)
+    proc = _launch(str(checkout / "train.py"), env={accel.SELECTIVE_ENV: "1"})
+    assert proc.returncode != 0 and '"compiled"' not in proc.stdout
+    assert (
+        "unknown sd-scripts layout: Model reached Accelerator.prepare, but the script parsed its arguments without "
+        "add_training_arguments of library/train_util.py or library/args.py"
+    ) in proc.stderr
 
 
 @pytest.mark.skipif(not HAS_CACHE_ARTIFACTS, reason="torch without cache artifacts")

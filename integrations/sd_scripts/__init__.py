@@ -6,15 +6,17 @@
 
 The script runs as `__main__` (runpy) after these functions are wrapped in memory:
 
-- `library.train_util.add_training_arguments`, which every training script calls to build its
-  parser: that parser's `parse_known_args` adds the compile flags at its first call, after the
-  script's own (so `--help` lists them, and sd-scripts' own `--compile*` flags, where the script
-  has them, are known: see `add_arguments`), and checks them at every call, also when
-  `--config_file` re-parses with the file's values.
+- `library.train_util.add_training_arguments` (and `library.args`' in newer sd-scripts, which
+  define it there), which every training script calls to build its parser: that parser's
+  `parse_known_args` adds the compile flags at its first call, after the script's own (so
+  `--help` lists them, and sd-scripts' own `--compile*` flags, where the script has them, are
+  known: see `add_arguments`), and checks them at every call, also when `--config_file`
+  re-parses with the file's values.
 - `accelerate.Accelerator.prepare`, which every trainer calls on the DiT/U-Net after LoRA's
   `apply_to` and `enable_gradient_checkpointing` and before the first step (it is where
   sd-scripts' own `--torch_compile` compiles): the first sd-scripts model passed to it is
-  accelerated in place before the original prepare runs.
+  accelerated in place before the original prepare runs; one that arrives before any parse
+  of a parser built so stops the launch (its compile flags were never read).
 - `accelerate.Accelerator.backward`, which every trainer calls once per step: after the first
   one the launcher prints what compiling took (and what `auto` chose); the counters again at exit.
 

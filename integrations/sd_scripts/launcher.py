@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import importlib
+import importlib.util
 import os
 import runpy
 import sys
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -62,10 +65,14 @@ class Launch:
         # Graphs out in the compile workers at the first step: once as many are back and running
         # compiled, the run's cache file is saved again (the first step's save lacks them).
         self._resave_after: int | None = None
+        self._watched: weakref.WeakSet[argparse.ArgumentParser] = weakref.WeakSet()
 
     def watch(self, parser: argparse.ArgumentParser) -> None:
         """Add the compile flags to `parser` at its first parse, when the script has added its own,
-        and check them after every parse (the command line, then --config_file's)."""
+        and check them after every parse (the command line, then --config_file's). Once per parser."""
+        if parser in self._watched:
+            return
+        self._watched.add(parser)
         parse_known_args = parser.parse_known_args
         theirs: dict[str, Any] | None = None  # sd-scripts' own compile flags (add_arguments)
 
@@ -271,26 +278,50 @@ def unknown_layout(what: str) -> LaunchError:
     )
 
 
-def _install_hooks(launch: Launch) -> None:
-    """Wrap add_training_arguments, Accelerator.prepare and Accelerator.backward (see the module docstring)."""
+def _argument_modules() -> list[Any]:
+    """The modules whose add_training_arguments a trainer may call: library.train_util, and
+    library.args where it exists (newer sd-scripts define the function there and re-export it
+    from train_util; their trainers call either)."""
     try:
         from library import train_util
     except ImportError as error:
         raise unknown_layout(f"cannot import library.train_util ({error})") from None
-    if not hasattr(train_util, "add_training_arguments"):
-        raise unknown_layout("library/train_util.py has no add_training_arguments")
+    modules = [train_util]
+    try:
+        has_args = importlib.util.find_spec("library.args") is not None
+    except ModuleNotFoundError:  # (`library` not a package)
+        has_args = False
+    if has_args:
+        modules.append(importlib.import_module("library.args"))
+    modules = [m for m in modules if hasattr(m, "add_training_arguments")]
+    if not modules:
+        raise unknown_layout("neither library/train_util.py nor library/args.py has add_training_arguments")
+    return modules
+
+
+def _install_hooks(launch: Launch) -> None:
+    """Wrap add_training_arguments, Accelerator.prepare and Accelerator.backward (see the module docstring)."""
+    modules = _argument_modules()
     from accelerate import Accelerator
 
-    add_training_arguments = train_util.add_training_arguments
     prepare = Accelerator.prepare
     backward = Accelerator.backward
 
-    def add_training_arguments_and_ours(parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
-        add_training_arguments(parser, *args, **kwargs)
-        launch.watch(parser)
+    def with_ours(add_training_arguments: Any) -> Any:
+        def add_training_arguments_and_ours(parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+            add_training_arguments(parser, *args, **kwargs)
+            launch.watch(parser)
+
+        return add_training_arguments_and_ours
 
     def prepare_accelerated(accelerator: Accelerator, *args: Any, **kwargs: Any) -> Any:
         model = next((a for a in args if families.is_sd_scripts_model(a)), None)
+        if model is not None and launch.args is None:  # never train uncompiled without saying so
+            raise unknown_layout(
+                f"{type(model).__name__} reached Accelerator.prepare, but the script parsed its arguments without "
+                "add_training_arguments of library/train_util.py or library/args.py, so the compile flags were "
+                "never read"
+            )
         if model is not None:
             launch.accelerate(model, accelerator.device)
         return prepare(accelerator, *args, **kwargs)
@@ -300,7 +331,8 @@ def _install_hooks(launch: Launch) -> None:
         launch.step_done(accelerator.device)
         return result
 
-    train_util.add_training_arguments = add_training_arguments_and_ours
+    for module in modules:
+        module.add_training_arguments = with_ours(module.add_training_arguments)
     Accelerator.prepare = prepare_accelerated
     Accelerator.backward = backward_reported
 
