@@ -265,8 +265,10 @@ def run_mode(spec: ModeSpec, settings: BenchSettings) -> StepResult:
     bench = MODELS[settings.model](device, settings.lora_rank, settings.batch, settings.res, *settings.model_options())
     model = bench.model
     model.train()
-    # FLOPs are counted on a step without checkpointing, which an offloaded model has no room for.
-    flops = step_flops(bench) if device == "cuda" and spec.offload is None else None
+    # FLOPs are counted on a step without checkpointing, which an offloaded model has no room for;
+    # in a block-swapped one, such a step running out of memory leaves the swap half done.
+    counted = device == "cuda" and spec.offload is None and not settings.blocks_to_swap
+    flops = step_flops(bench) if counted else None
     bf16_output = _inference_output(bench, device) if spec.offload is not None and spec.offload.int8 else None
     # The int8 output is taken with these LoRA weights too, so that training does not count as error.
     lora_before = [p.detach().to("cpu", copy=True) for p in bench.lora_params] if bf16_output is not None else []
