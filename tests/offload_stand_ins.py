@@ -1,5 +1,7 @@
-"""Stand-ins shared by the offload tests (tests/test_offload.py, tests/test_activation_offload.py):
-a stack of frozen MLP blocks with low-rank adapters, called the diffusers way, and a LoRA step."""
+"""Stand-ins shared by the offload tests (tests/test_offload.py, tests/test_activation_offload.py,
+tests/test_gpu.py): stacks of frozen MLP blocks with low-rank adapters, called the diffusers way
+(JointStack: token streams as views of one tensor, as in Flux; TanhStack: blocks that save their
+own output, which the model reads again), and a LoRA step."""
 
 from __future__ import annotations
 
@@ -43,6 +45,50 @@ class Stack(nn.Module):
                 x = block(x, cond)
             else:
                 x = checkpoint(block, x, cond, use_reentrant=self.checkpointing == "reentrant")
+        return x
+
+
+TEXT = 4  # JointStack's text tokens, the first of TOKENS
+
+
+class JointBlock(Block):
+    """Takes two token streams and returns them as views of one joint tensor, as Flux's
+    single-stream blocks do (a view keeps its base, so offloading the views alone frees nothing)."""
+
+    def forward(self, text: torch.Tensor, image: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        joint = super().forward(torch.cat([text, image], dim=1), cond)
+        return joint[:, :TEXT], joint[:, TEXT:]
+
+
+class JointStack(nn.Module):
+    def __init__(self, n: int = 5) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(JointBlock() for _ in range(n))
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        text, image = x[:, :TEXT], x[:, TEXT:]
+        for block in self.blocks:
+            text, image = checkpoint(block, text, image, cond, use_reentrant=False)
+        return torch.cat([text, image], dim=1)
+
+
+class TanhBlock(Block):
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(super().forward(x, cond))  # tanh saves its output for backward
+
+
+class TanhStack(Stack):
+    """Blocks that save their own output, and model code between them that reads it again in
+    backward (x * x): a block's output must stay on the GPU."""
+
+    def __init__(self, n: int = 6, checkpointing: str | None = None) -> None:
+        super().__init__(n, checkpointing)
+        self.blocks = nn.ModuleList(TanhBlock() for _ in range(n))
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, cond)
+            x = x * x
         return x
 
 

@@ -20,7 +20,9 @@ from offload_stand_ins import (
     DIM,
     TOKENS,
     Block,
+    JointStack,
     Stack,
+    TanhStack,
     assert_compiled_step_matches,
     copy_of,
     stack_inputs,
@@ -45,30 +47,6 @@ def test_activation_offload_moves_checkpointed_inputs_and_brings_them_back(monke
     # stay (backward needs them first), block 5's were never left behind.
     per_input = inputs[0].numel() * inputs[0].element_size()
     assert conductor.counters["activation_bytes_offloaded"] == 3 * per_input
-
-
-class JointBlock(Block):
-    """Takes two token streams and returns them as views of one joint tensor, as Flux's
-    single-stream blocks do (a view keeps its base, so offloading the views alone frees nothing)."""
-
-    def forward(self, text: torch.Tensor, image: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        joint = super().forward(torch.cat([text, image], dim=1), cond)
-        return joint[:, :TEXT], joint[:, TEXT:]
-
-
-TEXT = 4
-
-
-class JointStack(nn.Module):
-    def __init__(self, n: int = 5) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(JointBlock() for _ in range(n))
-
-    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-        text, image = x[:, :TEXT], x[:, TEXT:]
-        for block in self.blocks:
-            text, image = checkpoint(block, text, image, cond, use_reentrant=False)
-        return torch.cat([text, image], dim=1)
 
 
 def test_activation_offload_moves_view_inputs_with_their_base(monkeypatch) -> None:
@@ -181,26 +159,6 @@ def test_activation_offload_moves_what_compiled_blocks_save(monkeypatch) -> None
     assert {id(p): p.data_ptr() for p in trainable(model)} == lora
     assert {id(p): p.data_ptr() for b in conductor.blocks if not b.streamed for p in b.frozen} == frozen_resident
     assert acceleration.stats()["recompiles"] == 0 and acceleration.stats()["unique_graphs"] == 1
-
-
-class TanhBlock(Block):
-    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(super().forward(x, cond))  # tanh saves its output for backward
-
-
-class TanhStack(Stack):
-    """Blocks that save their own output, and model code between them that reads it again in
-    backward (x * x): a block's output must stay on the GPU."""
-
-    def __init__(self, n: int = 6, checkpointing: str | None = None) -> None:
-        super().__init__(n, checkpointing)
-        self.blocks = nn.ModuleList(TanhBlock() for _ in range(n))
-
-    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x, cond)
-            x = x * x
-        return x
 
 
 def test_activation_offload_keeps_block_outputs_the_model_reads(monkeypatch) -> None:

@@ -52,7 +52,7 @@ MODES = {
 
 
 def _worker(rank: int, port: int, wrapper: str, mode: str, queue) -> None:
-    from test_offload import Stack
+    from offload_stand_ins import Stack
 
     faulthandler.dump_traceback_later(RANKS_TIMEOUT_S - 30)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -115,7 +115,7 @@ def test_compiled_blocks_under_data_parallel_match_one_process(wrapper: str, mod
 
 
 def test_world_of_one_is_refused() -> None:
-    from test_offload import Stack
+    from offload_stand_ins import Stack
 
     with pytest.raises(RuntimeError, match="initialised"):
         apply_ddp(Stack(n=2))
@@ -136,7 +136,7 @@ def test_balanced_split_evens_out_bytes() -> None:
 
 
 def test_split_refuses_missing_devices_and_bad_splits_without_moving_anything() -> None:
-    from test_offload import Stack
+    from offload_stand_ins import Stack
 
     model = Stack(n=4)
     before = [p.device for p in model.parameters()]
@@ -165,7 +165,7 @@ def test_split_places_blocks_and_kohya_lora_and_remove_takes_the_hooks_off() -> 
 
 
 def test_undo_still_puts_the_placement_back_under_its_old_name() -> None:
-    from test_offload import Stack
+    from offload_stand_ins import Stack
 
     model = Stack(n=4)
     split_blocks(model, ["cpu", "cpu"]).remove()

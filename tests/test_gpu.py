@@ -135,17 +135,17 @@ def test_block_with_host_weights_runs_eager_and_is_counted() -> None:
 
 
 def _cuda_stack(n: int = 6, kind: str = "Stack"):
-    import test_offload
+    import offload_stand_ins
 
-    model = getattr(test_offload, kind)(n=n).cuda()
-    reference = getattr(test_offload, kind)(n=n).cuda()
+    model = getattr(offload_stand_ins, kind)(n=n).cuda()
+    reference = getattr(offload_stand_ins, kind)(n=n).cuda()
     reference.load_state_dict(model.state_dict())
     return model, reference
 
 
 def _assert_steps_match(model: nn.Module, reference: nn.Module, steps: int, rtol: float) -> None:
     """LoRA steps on fresh random inputs: loss and LoRA gradients within `rtol` of the reference's."""
-    from test_offload import stack_inputs, step
+    from offload_stand_ins import stack_inputs, step
 
     for _ in range(steps):
         inputs = tuple(t.cuda() for t in stack_inputs())
@@ -165,7 +165,7 @@ def test_streamed_compiled_blocks_match_resident_eager_without_recompiles(
     TanhStack: blocks save their own output, which the model reads again in backward):
     LoRA gradients as a fully resident eager run's, every block call compiled (none eager for
     want of its weights), no recompiles after the first step."""
-    from test_offload import stack_inputs, step
+    from offload_stand_ins import stack_inputs, step
 
     from compile_accel import BlockOffloadConductor
     from compile_accel.offload import activations
@@ -229,7 +229,7 @@ def test_int8_kernel_equals_the_torch_arithmetic() -> None:
 
 
 def test_int8_streaming_on_cuda_halves_bytes_with_small_error() -> None:
-    from test_offload import stack_inputs
+    from offload_stand_ins import stack_inputs
 
     from compile_accel import BlockOffloadConductor
 
