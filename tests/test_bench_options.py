@@ -273,6 +273,29 @@ def test_the_workers_table_names_the_slowest_graph_in_a_worker_by_phase() -> Non
     assert lines[6].startswith("| blocks+budget=1.0 | 9.0 | - | 20.0 |") and len(lines) == 7  # no eager row
 
 
+def test_weights_left_on_the_meta_device_are_drawn_and_kept_on_the_host() -> None:
+    """As the HunyuanImage builder draws them: every meta parameter gets its module's own
+    initialisation (a LayerNorm's ones, a Linear's bounded uniform), the buffers a module made
+    for itself stay, and a module with meta weights but no reset_parameters is refused by name."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16))
+    model.register_buffer("table", torch.arange(4.0))
+    models._drawn_on_host(model, "cpu")
+    assert all(p.device.type == "cpu" for p in model.parameters()) and torch.equal(model.table, torch.arange(4.0))
+    assert torch.equal(model[1].weight, torch.ones(16)) and model[0].weight.abs().max() <= 8**-0.5
+    assert model[0].weight.std() > 0.05  # drawn, not left empty or zero
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(3))
+
+    with torch.device("meta"):
+        holder = nn.Sequential(nn.Linear(2, 2), Scaled())
+    with pytest.raises(TypeError, match=r"1 \(Scaled\): no reset_parameters to draw its weights with"):
+        models._drawn_on_host(holder, "cpu")
+
+
 # ---- the sd-scripts models at small sizes ($SD_SCRIPTS_DIR) --------------------------------
 
 SD_SCRIPTS_DIR = os.environ.get("SD_SCRIPTS_DIR")
