@@ -655,4 +655,5 @@ MODELS: dict[str, Callable[..., BenchModel]] = {  # (device, lora_rank, batch, r
 SD_SCRIPTS_MODELS = sorted(name for name in MODELS if name.startswith("sdscripts-"))
 # hunyuan_image_train_network.py refuses --fp8_base (it has --fp8_scaled, weights and scales of its own).
 FP8_BASE_MODELS = [name for name in SD_SCRIPTS_MODELS if name != "sdscripts-hunyuan-image"]
-BLOCK_SWAP_MODELS = ["sdscripts-anima", "sdscripts-flux", "sdscripts-hunyuan-image", "sdscripts-lumina2", "sdscripts-sd3"]  # the SDXL U-Net has no enable_block_swap
+# The models with enable_block_swap (the U-Nets have none).
+BLOCK_SWAP_MODELS = ["sdscripts-anima", "sdscripts-flux", "sdscripts-hunyuan-image", "sdscripts-lumina2", "sdscripts-sd3"]

@@ -540,8 +540,9 @@ def test_newer_sd_scripts_training_arguments_in_library_args_get_the_compile_fla
     train_util; a trainer that calls library.args' gets the compile flags and its blocks compiled."""
     (checkout / "library" / "args.py").write_text(FAKE_TRAIN_UTIL)
     (checkout / "library" / "train_util.py").write_text("from library.args import add_training_arguments  # noqa\n")
-    script = textwrap.dedent(FAKE_SCRIPT).replace("from library import model, train_util", "from library import args as args_util, model")
-    (checkout / "train.py").write_text(script.replace("train_util.add_training_arguments", "args_util.add_training_arguments"))
+    script = textwrap.dedent(FAKE_SCRIPT).replace("train_util", "args_util")
+    script = script.replace("from library import model, args_util", "from library import args as args_util, model")
+    (checkout / "train.py").write_text(script)
     proc = _launch(str(checkout / "train.py"), "--activation_memory_budget", "0.5", "--gradient_checkpointing")
     assert _result(proc) == {"compiled": True, "checkpointing": [False, False]}
 
@@ -550,7 +551,8 @@ def test_a_model_prepared_before_the_compile_flags_were_read_stops_the_launch(ch
     """A script whose parser was built without add_training_arguments never reads the compile
     flags (here: the selective switch in the environment): it stops at Accelerator.prepare
     instead of training uncompiled."""
-    script = textwrap.dedent(FAKE_SCRIPT).replace("train_util.add_training_arguments(parser, True)", 'parser.add_argument("--gradient_checkpointing", action="store_true")')
+    own_parser = 'parser.add_argument("--gradient_checkpointing", action="store_true")'
+    script = textwrap.dedent(FAKE_SCRIPT).replace("train_util.add_training_arguments(parser, True)", own_parser)
     (checkout / "train.py").write_text(script)
     proc = _launch(str(checkout / "train.py"), env={accel.SELECTIVE_ENV: "1"})
     assert proc.returncode != 0 and '"compiled"' not in proc.stdout

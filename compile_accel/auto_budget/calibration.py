@@ -44,7 +44,8 @@ class _Search:
     waited_seconds: float = 0.0  # of the training steps, inside calibration
     predicted: dict[float | None, dict[float, int]] = field(default_factory=dict)  # per rung, in order
     tables: dict[int, list[Measurement]] = field(default_factory=dict)  # per rung index
-    fastest: dict[int, Measurement | None] = field(default_factory=dict)  # per rung measured to the end (None: none fits)
+    # Per rung measured to the end, its fastest fitting run (None: none fits there).
+    fastest: dict[int, Measurement | None] = field(default_factory=dict)
     in_workers: tuple[float | None, float] | None = None  # (rung, budget) whose graphs the workers compile
     in_workers_stats: Stats | None = None  # what that budget compiled (its graphs count in it once back)
     traced_peak: int | None = None  # the traced step's peak, while the workers partition its graphs
