@@ -316,13 +316,13 @@ def _install_hooks(launch: Launch) -> None:
 
     def prepare_accelerated(accelerator: Accelerator, *args: Any, **kwargs: Any) -> Any:
         model = next((a for a in args if families.is_sd_scripts_model(a)), None)
-        if model is not None and launch.args is None:  # never train uncompiled without saying so
-            raise unknown_layout(
-                f"{type(model).__name__} reached Accelerator.prepare, but the script parsed its arguments without "
-                "add_training_arguments of library/train_util.py or library/args.py, so the compile flags were "
-                "never read"
-            )
         if model is not None:
+            if launch.args is None:  # never train uncompiled without saying so
+                raise unknown_layout(
+                    f"{type(model).__name__} reached Accelerator.prepare, but the script parsed its arguments "
+                    "without add_training_arguments of library/train_util.py or library/args.py, so the compile "
+                    "flags were never read"
+                )
             launch.accelerate(model, accelerator.device)
         return prepare(accelerator, *args, **kwargs)
 
