@@ -106,12 +106,11 @@ def next_rung(fastest: Mapping[int, Measurement | None], rungs: int) -> int | No
             high = middle
         else:
             low = middle + 1
-    while high + 1 < rungs:
-        for rung in (high, high + 1):
-            if rung not in fastest:
-                return rung
-        here, above = fastest[high], fastest[high + 1]
-        if above is None or above.seconds >= here.seconds:
+    while high + 1 < rungs:  # (`high` is measured, and fits)
+        if high + 1 not in fastest:
+            return high + 1
+        above = fastest[high + 1]
+        if above is None or above.seconds >= fastest[high].seconds:
             return None
         high += 1
     return None

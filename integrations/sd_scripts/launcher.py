@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import importlib
 import importlib.util
 import os
 import runpy
