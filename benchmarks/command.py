@@ -150,15 +150,23 @@ def bench(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
+
+    def write(report: dict) -> None:
+        if calibration is not None:
+            report["gpu_like"] = calibration
+        if out is not None:
+            (out / "bench.json").write_text(json.dumps(report, indent=2))
+            (out / "bench.md").write_text(markdown_table(report) + "\n")
+
     report = runner.run_ab(
         modes,
         settings,
         progress=lambda line: print(line, file=sys.stderr, flush=True),
         warm=args.warm or args.compile_profile,
         log_dir=out,
+        on_report=write,
     )
-    if calibration is not None:
-        report["gpu_like"] = calibration
+    write(report)
     env, ran = report["environment"], measured(report)
     description = ran["results"][0]["description"] if ran["results"] else f"{args.model} (every mode ran out of memory)"
     print(
@@ -167,7 +175,5 @@ def bench(args: argparse.Namespace) -> int:
     )
     print(markdown_table(report))
     if out is not None:
-        (out / "bench.json").write_text(json.dumps(report, indent=2))
-        (out / "bench.md").write_text(markdown_table(report) + "\n")
         print(f"\nwrote {out / 'bench.json'}, {out / 'bench.md'}{_plot(ran, out / 'bench.png')}")
     return 0

@@ -47,6 +47,7 @@ def markdown_table(report: dict[str, Any], baseline: str = "eager+ckpt") -> str:
             f"| {s.get('recompiles', 0)} | {s.get('graph_breaks', 0)} | {len(s.get('fallbacks', []))} |"
         )
     extra = [
+        f"Not run (the bench stopped first): {', '.join(report['modes_left'])}." if "modes_left" in report else "",
         cap_note(report),
         auto_note(ran),
         compile_profile_table(ran),

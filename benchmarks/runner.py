@@ -532,16 +532,21 @@ def run_ab(
     progress: Callable[[str], None] = print,
     warm: bool = False,
     log_dir: Path | None = None,
+    on_report: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Each mode in a child process; returns {'environment', 'command', 'settings', 'results'}.
 
     warm: each mode compiles into an inductor cache of its own, empty (a cold start), then a
     second child with that cache runs one step: its first step is the warm start.
     log_dir: each mode's children write their standard error to `<log_dir>/<mode>.log`.
+    on_report: called after each mode but the last with the report so far (no 'environment': it
+    would start CUDA in this process while a child runs; 'modes_left' instead), so that a bench cut
+    short (a timeout, a closed terminal) keeps the modes it finished.
     """
     for mode in modes:
         parse_mode(mode)  # refuse a bad mode before spending minutes on the good ones
-    results = []
+    results: list[dict[str, Any]] = []
+    report = {"command": " ".join(sys.argv), "settings": asdict(settings), "results": results}
     for i, mode in enumerate(modes, 1):
         progress(
             f"[{i}/{len(modes)}] {mode}: building {settings.model}, compiling, timing "
@@ -564,12 +569,9 @@ def run_ab(
         results.append(result)
         seconds = time.perf_counter() - start
         progress(f"[{i}/{len(modes)}] {mode}: {_progress_note(result, warm)}; {seconds:.0f} s in all")
-    return {
-        "environment": environment(),
-        "command": " ".join(sys.argv),
-        "settings": asdict(settings),
-        "results": results,
-    }
+        if on_report is not None and i < len(modes):
+            on_report({**report, "modes_left": modes[i:]})
+    return {"environment": environment(), **report}
 
 
 def _progress_note(result: dict[str, Any], warm: bool) -> str:

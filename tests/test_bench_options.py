@@ -221,6 +221,18 @@ def test_a_mode_out_of_memory_is_a_row_and_the_others_run(monkeypatch, capsys, t
     assert "blocks+budget=0.5: OOM (CUDA out of memory" in capsys.readouterr().err  # the progress line
 
 
+def test_a_bench_cut_short_keeps_the_modes_it_finished(monkeypatch, tmp_path: Path) -> None:
+    modes = ["eager+ckpt", "blocks+budget=0.5", "blocks+budget=1.0"]
+    _fake_modes(monkeypatch, {"eager+ckpt": 0.5, "blocks+budget=0.5": KeyboardInterrupt(), "blocks+budget=1.0": 0.25})
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(["bench", "--device", "cpu", "--modes", ",".join(modes), "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert [r["mode"] for r in report["results"]] == ["eager+ckpt"]
+    assert report["modes_left"] == modes[1:]
+    table = (tmp_path / "bench.md").read_text()
+    assert "| eager+ckpt | 0.5000 |" in table and "Not run (the bench stopped first): blocks+budget=0.5, blocks+budget=1.0." in table
+
+
 def test_no_speed_up_when_the_baseline_ran_out_of_memory(monkeypatch, tmp_path: Path) -> None:
     _fake_modes(monkeypatch, {"eager+ckpt": torch.OutOfMemoryError(OOM_MESSAGE), "blocks+budget=1.0": 0.25})
     modes = "eager+ckpt,blocks+budget=1.0"
