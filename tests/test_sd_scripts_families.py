@@ -7,6 +7,7 @@ a GPU, `pytest -m gpu`) its memory options. .ci/e2e runs these with the end-to-e
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import os
 import subprocess
@@ -117,11 +118,13 @@ def _hunyuan_image() -> torch.nn.Module:
         return hunyuan_image_models.HYImageDiffusionTransformer()
 
 
-def _hunyuan_image_inputs() -> tuple:
-    """Latents, timesteps, Qwen2.5-VL states with captions of two lengths, byT5 states without
-    quoted text; the float inputs require grad, as the trainers make them under checkpointing."""
+def _hunyuan_image_inputs(one_length: bool = False) -> tuple:
+    """Latents, timesteps, Qwen2.5-VL states with captions of two lengths (or of one: a mask that
+    pads nothing, as every batch of 1 has), byT5 states without quoted text; the float inputs
+    require grad, as the trainers make them under checkpointing."""
     mask = torch.ones(2, 6, dtype=torch.long)
-    mask[1, 4:] = 0
+    if not one_length:
+        mask[1, 4:] = 0
     latents, text = torch.randn(2, 64, 4, 4, requires_grad=True), torch.randn(2, 6, 64, requires_grad=True)
     return latents, torch.rand(2) * 1000, text, mask, torch.randn(2, 4, 1472), torch.zeros(2, 4, dtype=torch.long)
 
@@ -337,8 +340,11 @@ def test_hunyuan_image_blocks_compile_whole_and_train_as_eager(sd_scripts: Path)
 
 
 def test_hunyuan_image_selective_compiles_each_blocks_checkpointed_body(sd_scripts: Path) -> None:
+    """With captions of one length, whose mask the stand-in parameters drop (its text refiner,
+    eager, still averages each caption over its length)."""
     model, network = _with_lora("hunyuan_image")
-    stats = _assert_parity(model, network, CompileConfig(mode="selective"), _hunyuan_image_inputs).stats()
+    inputs = functools.partial(_hunyuan_image_inputs, one_length=True)
+    stats = _assert_parity(model, network, CompileConfig(mode="selective"), inputs).stats()
     assert stats["regions"] == stats["compiled_regions"] == len(model.double_blocks) + len(model.single_blocks)
     assert stats["uncalled_regions"] == [] and stats["unique_graphs"] == 2
 
@@ -376,9 +382,15 @@ def test_hunyuan_images_attention_parameters_drop_masks_that_pad_nothing(sd_scri
     from library import attention
 
     made = families._masks_only_when_padded(attention.AttentionParams).create_attention_params_from_mask
+    params_from_mask = attention.AttentionParams.create_attention_params_from_mask
     padded = torch.ones(2, 4)
     padded[1, 3:] = 0
-    assert made("torch", False, 2, torch.ones(2, 4)).attention_mask is None
+    unpadded, original = made("torch", False, 2, torch.ones(2, 4)), params_from_mask("torch", False, 2, torch.ones(2, 4))
+    assert unpadded.attention_mask is None and original.attention_mask is not None
+    # the rest as the original's: the text refiner averages each caption over its seqlens
+    torch.testing.assert_close(unpadded.seqlens, original.seqlens)
+    torch.testing.assert_close(unpadded.cu_seqlens, original.cu_seqlens)
+    assert unpadded.max_seqlen == original.max_seqlen
     assert made("torch", False, 2, padded).attention_mask.shape == (2, 1, 1, 6)
 
 

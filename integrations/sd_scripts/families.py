@@ -11,6 +11,7 @@ traces.
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from collections.abc import Callable
 from typing import Any
@@ -241,16 +242,18 @@ def _traceable_attention(original: Callable) -> Callable:
 def _masks_only_when_padded(original: type) -> type:
     """Stand-in for the AttentionParams class HunyuanImage's model makes its blocks' attention
     parameters with: a text mask that pads nothing (every caption at batch 1, or captions of one
-    length: the model trims the text to the longest) makes parameters without a mask, as the
-    original's attention then trims nothing and runs SDPA without one; compiled attention without
-    a mask runs flash or cuDNN attention instead of the memory-efficient kernel."""
+    length: the model trims the text to the longest) makes the original's parameters less the
+    mask, as the original's attention then trims nothing and runs SDPA without one; compiled
+    attention without a mask runs flash or cuDNN attention instead of the memory-efficient kernel.
+    The sequence lengths stay: the text refiner averages each caption over its own."""
 
     class AttentionParams(original):  # type: ignore[misc, valid-type]
         @staticmethod
         def create_attention_params_from_mask(attn_mode: Any, split_attn: bool, img_len: Any, attention_mask: Any) -> Any:
+            params = original.create_attention_params_from_mask(attn_mode, split_attn, img_len, attention_mask)
             if attention_mask is not None and bool(attention_mask.all()):  # a host sync, once a forward
-                attention_mask = None
-            return original.create_attention_params_from_mask(attn_mode, split_attn, img_len, attention_mask)
+                params = dataclasses.replace(params, attention_mask=None)
+            return params
 
     return AttentionParams
 
