@@ -109,7 +109,7 @@ class RunCompileCache:
         self.loaded = False
         self.precompiled_loaded = 0  # graphs read at the first forward
         self.precompiling: precompile.PrecompileSave | None = None
-        self._compiled_before_save = 0
+        self._file_holds: int | None = None  # `_graphs_compiled()` when the file last held them all
         self._precompile_asked = False
         self._handle = model.register_forward_pre_hook(self._first_forward, with_kwargs=True, prepend=True)
 
@@ -123,15 +123,15 @@ class RunCompileCache:
         if self.functions:
             functions = [f.precompiled for f in self.functions]
             self.precompiled_loaded = precompile.load_precompiled(functions, self._precompiled_path)
-        self._compiled_before_save = _graphs_compiled()
+        self._file_holds = _graphs_compiled() if self.loaded else None
 
     @property
     def _precompiled_path(self) -> Path:
         return self.path.with_suffix(".precompiled")
 
     def save(self) -> int:
-        """Write the file if graphs were compiled since it was loaded (or it was not there);
-        returns the bytes written. A failed write warns: the run goes on. The graphs compiled
+        """Write the file if graphs were compiled since it was loaded or last written (or it was
+        not there); returns the bytes written. A failed write warns: the run goes on. The graphs compiled
         in this run are precompiled once (`_precompile_due`)."""
         if self.path is None:
             return 0
@@ -145,13 +145,16 @@ class RunCompileCache:
                 ],
                 self._precompiled_path,
             )
-        if self.loaded and _graphs_compiled() == self._compiled_before_save:
+        compiled = _graphs_compiled()
+        if compiled == self._file_holds:
             return 0
         try:
-            return save_compile_cache(self.path)
+            saved = save_compile_cache(self.path)
         except OSError as error:
             warn(f"compile cache: could not write {self.path}: {error}")
             return 0
+        self._file_holds = compiled
+        return saved
 
     def _precompile_due(self) -> bool:
         """Once per run, at the first save with the worker pool up (started at apply, stopped

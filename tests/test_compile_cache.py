@@ -87,6 +87,7 @@ def saved_run(tmp_path, monkeypatch) -> tuple[torch.nn.Module, RunCompileCache]:
     model = _ModelWithACompiledBlock()
     cache = _first_forward(model, "config A", torch.randn(4, 8))
     assert cache.loaded is False and cache.save() > 0 and cache.path.is_file()
+    assert cache.save() == 0  # nothing compiled since: not written again
     return model, cache
 
 
