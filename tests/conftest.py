@@ -18,22 +18,22 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdi
 # (bench children, compile workers, the launcher): nothing here debugs them, and they cost the
 # compiler time (two parity tests, fresh caches: 119 s of CPU against 127 s with them).
 os.environ.setdefault("AOT_INDUCTOR_ENABLE_LINE_TABLES", "0")
+# Inductor's CPU kernels as scalar C++, here and in every process the tests start (bench children,
+# torchrun ranks, the launcher, compile workers), read where inductor picks a vector ISA: what the
+# tests check (graphs, partitions, parity) does not depend on vectorised code, whose templates take
+# the C++ compiler most of a CPU compile's time (the bench test's compiling child: 48 s, was 60 s).
+os.environ.setdefault("ATEN_CPU_CAPABILITY", "default")
 # compile_accel's own caches (auto's calibrations, compiled-graph files) start empty in every run:
 # an entry left in the user's cache by an earlier run would make a test skip what it measures.
 os.environ["COMPILE_ACCEL_CACHE_DIR"] = tempfile.mkdtemp(prefix="compile_accel_tests_cache_")
 
 import pytest
 import torch
-import torch._inductor.config
 import torch.nn as nn
 
 from compile_accel import compile_workers
 from compile_accel.benchmarks.lora import TINY_DIT_LORA_TARGETS, KohyaStyleLoRANetwork
 from compile_accel.benchmarks.tiny_dit import TinyDiT, TinyDiTConfig, make_inputs
-
-# Inductor's CPU kernels as scalar C++: what the tests check (graphs, partitions, parity) does not
-# depend on vectorised code, whose templates take the C++ compiler most of a CPU compile's time.
-torch._inductor.config.cpp.simdlen = 0
 
 PEFT_TARGETS = ["qkv", "img_out", "txt_out", "linear1", "linear2"]
 

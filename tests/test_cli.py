@@ -152,11 +152,8 @@ def bench_run(tmp_path_factory: pytest.TempPathFactory) -> BenchRun:
     # torchrun starts the +ddp processes with OMP_NUM_THREADS=1, and inductor's C++ kernels are
     # written for the thread count: with one thread in every mode, the +ddp and +split rows find
     # the kernels the one-process row compiled in the inductor cache.
-    # ATEN_CPU_CAPABILITY=default: inductor's kernels as scalar C++ in the children too, as
-    # conftest's cpp.simdlen = 0 makes them here (which the children do not import); the rows'
-    # stats, losses and tables do not depend on it (the compiling child: 60 s against 48 s).
     flags = ["--steps", "2", "--warmup", "1", *SMALL_FLAGS, "--out", str(out)]
-    proc = _cli("bench", "--modes", modes, *flags, OMP_NUM_THREADS="1", ATEN_CPU_CAPABILITY="default")
+    proc = _cli("bench", "--modes", modes, *flags, OMP_NUM_THREADS="1")
     assert proc.returncode == 0, proc.stderr
     report = json.loads((out / "bench.json").read_text())
     return BenchRun(proc, {r["mode"]: r for r in report["results"]}, report, out)
