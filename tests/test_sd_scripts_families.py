@@ -385,7 +385,8 @@ def test_hunyuan_images_attention_parameters_drop_masks_that_pad_nothing(sd_scri
     params_from_mask = attention.AttentionParams.create_attention_params_from_mask
     padded = torch.ones(2, 4)
     padded[1, 3:] = 0
-    unpadded, original = made("torch", False, 2, torch.ones(2, 4)), params_from_mask("torch", False, 2, torch.ones(2, 4))
+    unpadded = made("torch", False, 2, torch.ones(2, 4))
+    original = params_from_mask("torch", False, 2, torch.ones(2, 4))
     assert unpadded.attention_mask is None and original.attention_mask is not None
     # the rest as the original's: the text refiner averages each caption over its seqlens
     torch.testing.assert_close(unpadded.seqlens, original.seqlens)
