@@ -131,8 +131,8 @@ class RunCompileCache:
 
     def save(self) -> int:
         """Write the file if graphs were compiled since it was loaded or last written (or it was
-        not there); returns the bytes written. A failed write warns: the run goes on. The graphs compiled
-        in this run are precompiled once (`_precompile_due`)."""
+        not there); returns the bytes written. A failed write warns: the run goes on. The graphs
+        compiled in this run are precompiled once (`_precompile_due`)."""
         if self.path is None:
             return 0
         if self._precompile_due():
