@@ -51,12 +51,16 @@ def _refuse(message: str) -> int:
 
 
 def _sd_scripts_option_refusal(args: argparse.Namespace, specs: list[ModeSpec]) -> str | None:
-    """Why --fp8-base or --blocks-to-swap cannot run with this model and these modes, or None."""
-    from .models import BLOCK_SWAP_MODELS, FP8_BASE_MODELS
+    """Why --fp8-base, --fp8-scaled or --blocks-to-swap cannot run with this model and these modes, or None."""
+    from .models import BLOCK_SWAP_MODELS, FP8_BASE_MODELS, FP8_SCALED_MODELS
     from compile_accel.config import CUDA_GRAPH_MODES, cuda_graph_refusal
 
     if args.fp8_base and args.model not in FP8_BASE_MODELS:
         return f"--fp8-base is sd-scripts' --fp8_base, for {', '.join(FP8_BASE_MODELS)}; not for {args.model}"
+    if args.fp8_scaled and args.model not in FP8_SCALED_MODELS:
+        return f"--fp8-scaled is sd-scripts' --fp8_scaled, for {', '.join(FP8_SCALED_MODELS)}; not for {args.model}"
+    if args.fp8_scaled and args.fp8_base:
+        return "--fp8-scaled and --fp8-base: the trainers take one (with --fp8_scaled they ignore --fp8_base)"
     if args.blocks_to_swap is None:
         return None
     if args.model not in BLOCK_SWAP_MODELS:

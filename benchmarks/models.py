@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.nn as nn
@@ -270,6 +271,7 @@ class SdScriptsOptions:
 
     fp8_base: bool = False  # --fp8_base
     blocks_to_swap: int | None = None  # --blocks_to_swap
+    fp8_scaled: bool = False  # --fp8_scaled (Anima, HunyuanImage)
 
 
 @dataclass
@@ -284,6 +286,9 @@ class SdScriptsModel:
     latents: torch.Tensor  # the noisy input; the prediction has its shape
     conditions: list[torch.Tensor]  # the other float inputs the trainer makes require grad
     swap_options: dict = field(default_factory=dict)  # what the trainer passes enable_block_swap besides (N, device)
+    # The trainers with --fp8_scaled: the module of their loader, whose FP8_OPTIMIZATION_TARGET_KEYS
+    # and FP8_OPTIMIZATION_EXCLUDE_KEYS say which layers it quantizes; None without.
+    fp8_scaled_loader: ModuleType | None = None
 
 
 def _sd_scripts_path() -> None:
@@ -309,16 +314,37 @@ def _sd_scripts_base(spec: SdScriptsModel, device: str, options: SdScriptsOption
     to float8_e4m3fn, as flux/sd3/lumina_train_network.py's load_target_model do
     (`model.to(torch.float8_e4m3fn)`) and train_network.py does for --fp8_base
     (`unet.to(dtype=unet_weight_dtype)`); the forward then relies on bf16 autocast to compute
-    in bf16. blocks_to_swap calls enable_block_swap(N, device), as they do; the swapped blocks'
-    weights go to the host when the model is placed."""
+    in bf16. fp8_scaled quantizes the weights of the Linear layers its loader quantizes, as
+    anima_utils' and hunyuan_image_models' loaders do (sd-scripts' own optimize_state_dict_with_fp8
+    and apply_fp8_monkey_patch: float8_e4m3fn with a bf16 scale per 64 inputs of each output, the
+    forward dequantizing to bf16 before each matmul); the rest stays bf16. blocks_to_swap calls
+    enable_block_swap(N, device), as they do; the swapped blocks' weights go to the host when the
+    model is placed."""
     # Random weights are drawn on the device: initialising a 12B model on the host takes minutes
     # per mode. bf16 Flux-dev (22.2 GiB) still fits a 24 GiB cap before the fp8 cast halves it.
     with torch.device(device), _default_dtype(torch.bfloat16):
         model = spec.make()
     model.to(torch.float8_e4m3fn if options.fp8_base else torch.bfloat16).requires_grad_(False)
+    if options.fp8_scaled:
+        _fp8_scaled(model, spec, device)
     if options.blocks_to_swap:
         model.enable_block_swap(options.blocks_to_swap, torch.device(device), **spec.swap_options)
     return model
+
+
+@torch.no_grad()
+def _fp8_scaled(model: nn.Module, spec: SdScriptsModel, device: str) -> None:
+    """The model's weights quantized as its trainer's loader does under --fp8_scaled (on `device`,
+    each weight left where it was)."""
+    from library.fp8_optimization_utils import apply_fp8_monkey_patch, optimize_state_dict_with_fp8
+
+    loader = spec.fp8_scaled_loader
+    if loader is None:
+        raise ValueError(f"{spec.description}: its trainer has no --fp8_scaled")
+    targets, excluded = loader.FP8_OPTIMIZATION_TARGET_KEYS, loader.FP8_OPTIMIZATION_EXCLUDE_KEYS
+    state = optimize_state_dict_with_fp8(model.state_dict(), device, targets, excluded)
+    apply_fp8_monkey_patch(model, state, use_scaled_mm=False)
+    model.load_state_dict(state, strict=True, assign=True)
 
 
 @torch.no_grad()
@@ -380,7 +406,8 @@ def _sd_scripts_bench(spec: SdScriptsModel, device: str, lora_rank: int, options
         for tensor in (spec.latents, *spec.conditions):
             tensor.requires_grad_(True)
 
-    notes = (", fp8 base" if options.fp8_base else "") + (f", {swap} blocks swapped" if swap else "")
+    notes = (", fp8 base" if options.fp8_base else "") + (", fp8 scaled" if options.fp8_scaled else "")
+    notes += f", {swap} blocks swapped" if swap else ""
     return BenchModel(
         f"{spec.description} r{lora_rank}{notes}",
         model,
@@ -569,7 +596,7 @@ def sdscripts_anima(
     anima_train_network.py calls it: one-frame latents, timesteps in [0, 1], Qwen3's hidden states
     of 512 tokens through the LLM adapter with 512 T5 token ids, a zero padding mask."""
     _sd_scripts_path()
-    from library import anima_models
+    from library import anima_models, anima_utils
 
     batch, res = batch or 2, res or 1024
     x = torch.randn(batch, 16, 1, res // 8, res // 8, device=device, dtype=torch.bfloat16)
@@ -594,6 +621,7 @@ def sdscripts_anima(
         ),
         x,
         [qwen3],
+        fp8_scaled_loader=anima_utils,
     )
     return _sd_scripts_bench(spec, device, lora_rank, options)
 
@@ -604,7 +632,8 @@ def sdscripts_hunyuan_image(
     """kohya sd-scripts' HunyuanImage 2.1 DiT (library/hunyuan_image_models.py, 20 double and 40
     single blocks of width 3584: 17B parameters), built as its loader builds it (parameters on the
     meta device), random bf16 weights drawn on the device and kept on the host: 34 GB, over a 24
-    GiB card, so run it with --blocks-to-swap, as its trainer (which has no --fp8_base) is run.
+    GiB card, so run it with --blocks-to-swap, as its trainer (which has --fp8_scaled, not --fp8_base)
+    is run; sd-scripts' guide pairs 24 GB with --fp8_scaled --blocks_to_swap 9.
     Its own LoRA (networks/lora_hunyuan_image.py); called as hunyuan_image_train_network.py calls
     it: the 32x VAE's 64-channel latents, integer timesteps, the caption's Qwen2.5-VL hidden states
     and byT5's with their masks; block swap with backward support, as that trainer enables it."""
@@ -633,6 +662,7 @@ def sdscripts_hunyuan_image(
         x,
         [text, glyphs],
         swap_options={"supports_backward": True},
+        fp8_scaled_loader=hunyuan_image_models,
     )
     return _sd_scripts_bench(spec, device, lora_rank, options)
 
@@ -655,5 +685,7 @@ MODELS: dict[str, Callable[..., BenchModel]] = {  # (device, lora_rank, batch, r
 SD_SCRIPTS_MODELS = sorted(name for name in MODELS if name.startswith("sdscripts-"))
 # hunyuan_image_train_network.py refuses --fp8_base (it has --fp8_scaled, weights and scales of its own).
 FP8_BASE_MODELS = [name for name in SD_SCRIPTS_MODELS if name != "sdscripts-hunyuan-image"]
+# The trainers with --fp8_scaled (sd-scripts' scaled fp8 weights: anima_utils', hunyuan_image_models' loaders).
+FP8_SCALED_MODELS = ["sdscripts-anima", "sdscripts-hunyuan-image"]
 # The models with enable_block_swap (the U-Nets have none).
 BLOCK_SWAP_MODELS = ["sdscripts-anima", "sdscripts-flux", "sdscripts-hunyuan-image", "sdscripts-lumina2", "sdscripts-sd3"]

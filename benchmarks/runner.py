@@ -16,8 +16,8 @@ On a GPU each child also measures what benchmarks/measure.py describes: the step
 the matmul rate for the model FLOP utilisation, and with `--profile-steps N` the kernel time by
 kind over N more steps.
 
-For the sd-scripts models, `--fp8-base` and `--blocks-to-swap N` are the trainers' own memory
-options, applied their way (benchmarks/models.py). `--vram-cap-gib G` lets each child allocate
+For the sd-scripts models, `--fp8-base`, `--fp8-scaled` and `--blocks-to-swap N` are the
+trainers' own memory options, applied their way (benchmarks/models.py). `--vram-cap-gib G` lets each child allocate
 at most G GiB per GPU, so a large GPU shows what fits a smaller card; a mode that runs out of
 memory (under the cap or not) is a row marked OOM with the error's first line.
 """
@@ -86,6 +86,7 @@ class BenchSettings:
     profile_steps: int | None = None
     fp8_base: bool = False
     blocks_to_swap: int | None = None
+    fp8_scaled: bool = False
     vram_cap_gib: float | None = None
     compile_workers: int = 0
     compile_workers_wait: bool = False
@@ -110,7 +111,7 @@ class BenchSettings:
     def model_options(self) -> tuple[SdScriptsOptions, ...]:
         """The sd-scripts memory options, as the sd-scripts models' builders take them; none when
         not set (the other builders take none)."""
-        options = SdScriptsOptions(self.fp8_base, self.blocks_to_swap)
+        options = SdScriptsOptions(self.fp8_base, self.blocks_to_swap, self.fp8_scaled)
         return (options,) if options != SdScriptsOptions() else ()
 
 
@@ -170,12 +171,18 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
         "autocast, as the trainers' --fp8_base does (the LoRA network stays fp32)",
     )
     parser.add_argument(
+        "--fp8-scaled",
+        action="store_true",
+        help="sd-scripts Anima and HunyuanImage only: their blocks' Linear weights stored as float8_e4m3fn with a "
+        "scale per 64 inputs and dequantized to bf16 before each matmul, as the trainers' --fp8_scaled does",
+    )
+    parser.add_argument(
         "--blocks-to-swap",
         type=_whole_number(1),
         metavar="N",
-        help="sd-scripts Flux, SD3 and Lumina 2 only: keep N blocks' weights on the CPU and swap them in during "
-        "forward and backward with sd-scripts' own ModelOffloader, as the trainers' --blocks_to_swap does; "
-        "no +offload, +ddp or +split mode with it",
+        help="sd-scripts Flux, SD3, Lumina 2, Anima and HunyuanImage only: keep N blocks' weights on the CPU and "
+        "swap them in during forward and backward with sd-scripts' own ModelOffloader, as the trainers' "
+        "--blocks_to_swap does; no +offload, +ddp or +split mode with it",
     )
     parser.add_argument(
         "--vram-cap-gib",

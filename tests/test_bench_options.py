@@ -33,6 +33,9 @@ from compile_accel.benchmarks.runner import BenchSettings, StepResult
         (["--fp8-base"], "--fp8-base is sd-scripts' --fp8_base, for sdscripts-anima, sdscripts-flux"),
         (["--fp8-base", "--model", "flux"], "not for flux"),
         (["--fp8-base", "--model", "sdscripts-hunyuan-image"], "not for sdscripts-hunyuan-image"),
+        (["--fp8-scaled"], "--fp8-scaled is sd-scripts' --fp8_scaled, for sdscripts-anima, sdscripts-hunyuan-image"),
+        (["--fp8-scaled", "--model", "sdscripts-flux"], "not for sdscripts-flux"),
+        (["--fp8-scaled", "--fp8-base", "--model", "sdscripts-anima"], "--fp8-scaled and --fp8-base: the trainers"),
         (["--blocks-to-swap", "4"], "--blocks-to-swap is sd-scripts' block swap"),
         (["--blocks-to-swap", "4", "--model", "sdscripts-sdxl"], "not in sdscripts-sdxl"),
         (["--blocks-to-swap", "4", "--model", "sd3"], "not in sd3"),
@@ -88,7 +91,8 @@ def test_bench_help_explains_the_memory_options(capsys) -> None:
         cli.main(["bench", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "--fp8-base sd-scripts models only: the frozen base model stored as float8_e4m3fn" in help_text
-    assert "--blocks-to-swap N sd-scripts Flux, SD3 and Lumina 2 only" in help_text
+    assert "--fp8-scaled sd-scripts Anima and HunyuanImage only: their blocks' Linear weights" in help_text
+    assert "--blocks-to-swap N sd-scripts Flux, SD3, Lumina 2, Anima and HunyuanImage only" in help_text
     assert "--vram-cap-gib G GPU only: each mode may allocate at most G GiB per GPU" in help_text
     assert "sdscripts-sdxl" in help_text
 
@@ -105,12 +109,14 @@ def _child_parser() -> argparse.ArgumentParser:
     [
         BenchSettings(model="sdscripts-flux", device="cuda", fp8_base=True, blocks_to_swap=18, vram_cap_gib=24.0),
         BenchSettings(model="sdscripts-sd3", device="cuda", vram_cap_gib=23.5, compile_workers=4),
+        BenchSettings(model="sdscripts-hunyuan-image", device="cuda", fp8_scaled=True, blocks_to_swap=9),
         BenchSettings(),
     ],
 )
 def test_settings_reach_the_child_through_its_flags(settings: BenchSettings) -> None:
     flags = settings.flags()
     assert ("--fp8-base" in flags) == settings.fp8_base  # a switch, with no value after it
+    assert ("--fp8-scaled" in flags) == settings.fp8_scaled
     assert BenchSettings.from_args(_child_parser().parse_args(flags), settings.device) == settings
 
 
@@ -422,6 +428,33 @@ def test_sd_scripts_fp8_base_casts_the_sdxl_unet(small_sd_scripts) -> None:
     bench = _build("sdscripts-sdxl", SdScriptsOptions(fp8_base=True))
     _assert_fp8_base(bench)
     assert "fp8 base" in bench.description
+
+
+@pytest.mark.parametrize("name", models.FP8_SCALED_MODELS)
+def test_sd_scripts_fp8_scaled_quantizes_the_layers_its_loader_quantizes(small_sd_scripts, name: str) -> None:
+    """--fp8_scaled as the trainer's loader applies it: the blocks' Linear weights in float8 with
+    their scales and a forward that dequantizes them, the layers its loader excludes left bf16.
+    Each quantized layer computes the bf16 layer's product up to e4m3's rounding (3 mantissa
+    bits: 1/16 relative at most per weight, up to 2.6% in norm seen), and its LoRA trains."""
+    from library import anima_utils, hunyuan_image_models
+
+    loader = {"sdscripts-anima": anima_utils, "sdscripts-hunyuan-image": hunyuan_image_models}[name]
+    targets, excluded = loader.FP8_OPTIMIZATION_TARGET_KEYS, loader.FP8_OPTIMIZATION_EXCLUDE_KEYS
+    plain = dict(_build(name, SdScriptsOptions()).model.named_modules())  # (the same seed: the same weights)
+    bench = _build(name, SdScriptsOptions(fp8_scaled=True))
+    linears = {n: m for n, m in bench.model.named_modules() if isinstance(m, nn.Linear)}
+    quantized = {n for n, m in linears.items() if m.weight.dtype == torch.float8_e4m3fn}
+    assert quantized == {n for n in linears if any(t in n for t in targets) and not any(e in n for e in excluded)}
+    assert quantized != set(linears)  # (some are excluded)
+    for n in quantized:
+        eye = torch.eye(linears[n].in_features, dtype=torch.bfloat16)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # (the LoRA wrapped around it is fp32; its up weights 0)
+            product, expected = (m(eye) - (0 if m.bias is None else m.bias) for m in (linears[n], plain[n]))
+        error = (product.float() - expected.float()).norm() / expected.float().norm()
+        assert 0 < error <= 1 / 16, n
+    assert all(p.dtype == torch.bfloat16 for p in bench.model.parameters() if p.dtype != torch.float8_e4m3fn)
+    assert "fp8 scaled" in bench.description
+    _assert_trains(_lora_step(bench)[1])
 
 
 @pytest.mark.parametrize("fp8_base", [False, True])

@@ -5,9 +5,9 @@ anima_train_network.py, hunyuan_image_train_network.py and train_network.py (SD 
 with --v2) each train 3 LoRA steps on small random checkpoints (tests/sd_scripts_small_<model>.py shrinks
 the model factories in the training process and writes the workspace), four ways: plain,
 SDSCRIPTS_SELECTIVE_TORCH_COMPILE=1, --activation_memory_budget 0.5, and that with
---compile_workers 2. A compiled run must
-save the LoRA keys, shapes and dtypes of the plain run, see the plain run's loss at every step
-(same seed), and compile every region it made. Needs $SD_SCRIPTS_DIR (a checkout of sd-scripts'
+--compile_workers 2; Anima and HunyuanImage also with --fp8_scaled, plain and with the budget. A
+compiled run must save the LoRA keys, shapes and dtypes of its plain run, see the plain run's
+loss at every step (same seed), and compile every region it made. Needs $SD_SCRIPTS_DIR (a checkout of sd-scripts'
 sd3 branch, with its requirements installed: .ci/e2e builds that environment); skipped without.
 """
 
@@ -41,7 +41,12 @@ MODES: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
     # Each graph compiled in one of 2 worker processes; the steps run graphs not back yet uncompiled.
     # No cache: graphs another run compiled would load from it and never reach the workers.
     "workers": ({}, ("--activation_memory_budget", "0.5", "--compile_workers", "2", "--no_compile_cache")),
+    # The trainers with sd-scripts' scaled fp8 weights (each Linear's forward patched to dequantize).
+    "fp8_scaled": ({}, ("--fp8_scaled",)),
+    "fp8_scaled_budget": ({}, ("--fp8_scaled", "--activation_memory_budget", "0.5")),
 }
+BASELINE = {"fp8_scaled_budget": "fp8_scaled"}  # the run a compiled mode is compared with, if not plain
+FP8_SCALED_TRAINERS = ["anima", "hunyuan_image"]
 # Every trainer: LoRA on the DiT/U-Net only (the harnesses whose script can cache the text
 # encoders' outputs ask for it), fp32 on the CPU, one batch of both images a step, 3 steps.
 COMMON_ARGS = [
@@ -111,7 +116,8 @@ def _wanted(session: pytest.Session) -> list[tuple[str, str]]:
     for item in session.items:
         params = getattr(item, "callspec", None) and item.callspec.params
         if getattr(item, "module", None) is sys.modules[__name__] and params:
-            wanted |= {(params["trainer"], "plain"), (params["trainer"], params.get("mode", "plain"))}
+            mode = params.get("mode", "plain")
+            wanted |= {(params["trainer"], BASELINE.get(mode, "plain")), (params["trainer"], mode)}
     return sorted(wanted, key=lambda job: (job[1] == "plain", TRAINERS.index(job[0]), job[1]))
 
 
@@ -181,9 +187,21 @@ def test_compiled_run_trains_as_plain(runs: Runs, trainer: str, mode: str) -> No
     """The plain run's LoRA file layout and, within tolerances, its loss at every step and its
     saved weights; every region compiled and called, no graph compiled twice or broken (the
     acceleration's stats at exit, the launcher's exit report, and no warning of it)."""
+    _assert_trains_as(runs, trainer, mode)
+
+
+@pytest.mark.parametrize("mode", ["fp8_scaled_budget"])
+@pytest.mark.parametrize("trainer", FP8_SCALED_TRAINERS)
+def test_compiled_run_with_fp8_scaled_weights_trains_as_its_plain_run(runs: Runs, trainer: str, mode: str) -> None:
+    """--fp8_scaled (float8 weights, each Linear's forward patched to dequantize them) with the
+    budget: as the plain --fp8_scaled run, every region compiled, no recompile or graph break."""
+    _assert_trains_as(runs, trainer, mode)
+
+
+def _assert_trains_as(runs: Runs, trainer: str, mode: str) -> None:
     from safetensors.torch import load_file
 
-    plain, run = _run(runs, trainer, "plain"), _run(runs, trainer, mode)
+    plain, run = _run(runs, trainer, BASELINE.get(mode, "plain")), _run(runs, trainer, mode)
     assert run.lora == plain.lora and len(run.losses) == STEPS
     losses = [abs(a - b) / abs(b) for a, b in zip(run.losses, plain.losses)]
     got, want = load_file(run.weights), load_file(plain.weights)
@@ -192,7 +210,7 @@ def test_compiled_run_trains_as_plain(runs: Runs, trainer: str, mode: str) -> No
     assert max(losses) <= LOSS_TOLERANCE, (run.losses, plain.losses)
     assert max(weights.values()) <= WEIGHT_TOLERANCE, weights
     stats = run.stats
-    assert stats is not None and stats["mode"] == ("selective" if mode == "selective" else "blocks")
+    assert stats is not None and stats["mode"] == ("selective" if mode == "selective" else "blocks"), stats
     assert stats["compiled_regions"] == stats["regions"] > 0 and stats["uncalled_regions"] == [], stats
     assert (stats["recompiles"], stats["graph_breaks"], stats["fallbacks"]) == (0, 0, []), stats
     # With workers every graph went to them (back or not by the end of these 3 steps), none failed.
