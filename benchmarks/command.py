@@ -59,8 +59,6 @@ def _sd_scripts_option_refusal(args: argparse.Namespace, specs: list[ModeSpec]) 
         return f"--fp8-base is sd-scripts' --fp8_base, for {', '.join(FP8_BASE_MODELS)}; not for {args.model}"
     if args.fp8_scaled and args.model not in FP8_SCALED_MODELS:
         return f"--fp8-scaled is sd-scripts' --fp8_scaled, for {', '.join(FP8_SCALED_MODELS)}; not for {args.model}"
-    if args.fp8_scaled and args.fp8_base:
-        return "--fp8-scaled and --fp8-base: the trainers take one (with --fp8_scaled they ignore --fp8_base)"
     if args.blocks_to_swap is None:
         return None
     if args.model not in BLOCK_SWAP_MODELS:

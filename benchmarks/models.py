@@ -271,7 +271,7 @@ class SdScriptsOptions:
 
     fp8_base: bool = False  # --fp8_base
     blocks_to_swap: int | None = None  # --blocks_to_swap
-    fp8_scaled: bool = False  # --fp8_scaled (Anima, HunyuanImage)
+    fp8_scaled: bool = False  # --fp8_scaled (HunyuanImage)
 
 
 @dataclass
@@ -315,7 +315,7 @@ def _sd_scripts_base(spec: SdScriptsModel, device: str, options: SdScriptsOption
     (`model.to(torch.float8_e4m3fn)`) and train_network.py does for --fp8_base
     (`unet.to(dtype=unet_weight_dtype)`); the forward then relies on bf16 autocast to compute
     in bf16. fp8_scaled quantizes the weights of the Linear layers its loader quantizes, as
-    anima_utils' and hunyuan_image_models' loaders do (sd-scripts' own optimize_state_dict_with_fp8
+    hunyuan_image_models' loader does (sd-scripts' own optimize_state_dict_with_fp8
     and apply_fp8_monkey_patch: float8_e4m3fn with a bf16 scale per 64 inputs of each output, the
     forward dequantizing to bf16 before each matmul); the rest stays bf16. blocks_to_swap calls
     enable_block_swap(N, device), as they do; the swapped blocks' weights go to the host when the
@@ -596,7 +596,7 @@ def sdscripts_anima(
     anima_train_network.py calls it: one-frame latents, timesteps in [0, 1], Qwen3's hidden states
     of 512 tokens through the LLM adapter with 512 T5 token ids, a zero padding mask."""
     _sd_scripts_path()
-    from library import anima_models, anima_utils
+    from library import anima_models
 
     batch, res = batch or 2, res or 1024
     x = torch.randn(batch, 16, 1, res // 8, res // 8, device=device, dtype=torch.bfloat16)
@@ -621,7 +621,6 @@ def sdscripts_anima(
         ),
         x,
         [qwen3],
-        fp8_scaled_loader=anima_utils,
     )
     return _sd_scripts_bench(spec, device, lora_rank, options)
 
@@ -683,9 +682,10 @@ MODELS: dict[str, Callable[..., BenchModel]] = {  # (device, lora_rank, batch, r
 }
 # The models --fp8-base and --blocks-to-swap apply to (their builders take SdScriptsOptions).
 SD_SCRIPTS_MODELS = sorted(name for name in MODELS if name.startswith("sdscripts-"))
-# hunyuan_image_train_network.py refuses --fp8_base (it has --fp8_scaled, weights and scales of its own).
-FP8_BASE_MODELS = [name for name in SD_SCRIPTS_MODELS if name != "sdscripts-hunyuan-image"]
-# The trainers with --fp8_scaled (sd-scripts' scaled fp8 weights: anima_utils', hunyuan_image_models' loaders).
-FP8_SCALED_MODELS = ["sdscripts-anima", "sdscripts-hunyuan-image"]
+# hunyuan_image_train_network.py refuses --fp8_base (it has --fp8_scaled, weights and scales of its own);
+# anima_train_network.py turns --fp8_base off (and --fp8_scaled: its DiT supports neither).
+FP8_BASE_MODELS = [name for name in SD_SCRIPTS_MODELS if name not in ("sdscripts-anima", "sdscripts-hunyuan-image")]
+# The trainers with --fp8_scaled (sd-scripts' scaled fp8 weights).
+FP8_SCALED_MODELS = ["sdscripts-hunyuan-image"]
 # The models with enable_block_swap (the U-Nets have none).
 BLOCK_SWAP_MODELS = ["sdscripts-anima", "sdscripts-flux", "sdscripts-hunyuan-image", "sdscripts-lumina2", "sdscripts-sd3"]

@@ -173,7 +173,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--fp8-scaled",
         action="store_true",
-        help="sd-scripts Anima and HunyuanImage only: their blocks' Linear weights stored as float8_e4m3fn with a "
+        help="sd-scripts HunyuanImage only: its blocks' Linear weights stored as float8_e4m3fn with a "
         "scale per 64 inputs and dequantized to bf16 before each matmul, as the trainers' --fp8_scaled does",
     )
     parser.add_argument(
