@@ -110,7 +110,7 @@ class WorkerPool:
                 pool = _SpawnedPool(self.count) if SPAWNED_POOL else SubprocPool(self.count, kind=SubprocKind.SPAWN)
                 self.pool = pool
                 _close_its_pipe_ends(pool)
-                atexit.register(pool.shutdown)
+                atexit.register(self._stop_at_exit)
                 logger.info("started %d compile workers", self.count)
                 # One per worker, as each starts (not in `out`, which is the graphs' jobs).
                 for _ in range(self.count):
@@ -141,7 +141,7 @@ class WorkerPool:
             with contextlib.suppress(concurrent.futures.InvalidStateError):  # (done meanwhile)
                 future.set_exception(WorkersExited(self.exited))
         # Not shut down: its process is gone, and a write to its pipe might never return.
-        atexit.unregister(pool.shutdown)
+        atexit.unregister(self._stop_at_exit)
         warn(f"the compile workers' pool process exited ({self.exited}: killed, out of memory or crashed): the "
              "graphs it had and every later one compile in this process")
 
@@ -244,7 +244,7 @@ class WorkerPool:
             ):
                 return
             self.pool = None
-        _shut_down(pool)
+        self._shut_down(pool)
         logger.info("no graph is out in the compile workers: workers stopped, their GPU memory freed")
 
     def stop(self) -> None:
@@ -252,7 +252,21 @@ class WorkerPool:
         with self.lock:
             pool, self.pool = self.pool, None
         if pool is not None:
-            _shut_down(pool)
+            self._shut_down(pool)
+
+    def _shut_down(self, pool: Any) -> None:
+        atexit.unregister(self._stop_at_exit)
+        # In a thread of its own: shutdown() joins the pool's reader thread.
+        threading.Thread(target=pool.shutdown, name="compile_accel-workers-shutdown", daemon=True).start()
+
+    def _stop_at_exit(self) -> None:
+        """At the interpreter's exit, with jobs still out (a run shorter than their compile): the
+        pool stops as asked, not as a pool whose process exited unasked, which the jobs it fails
+        would otherwise report."""
+        with self.lock:
+            pool, self.pool = self.pool, None
+        if pool is not None:
+            pool.shutdown()
 
     def running(self) -> bool:
         with self.lock:
@@ -287,12 +301,6 @@ def compiles_here(message: str, pool_exited: bool) -> None:
         logger.info(message)
     else:
         warn(message)
-
-
-def _shut_down(pool: Any) -> None:
-    atexit.unregister(pool.shutdown)
-    # In a thread of its own: shutdown() joins the pool's reader thread.
-    threading.Thread(target=pool.shutdown, name="compile_accel-workers-shutdown", daemon=True).start()
 
 
 class _SpawnedPool:
