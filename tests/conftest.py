@@ -22,6 +22,7 @@ os.environ.setdefault("AOT_INDUCTOR_ENABLE_LINE_TABLES", "0")
 # torchrun ranks, the launcher, compile workers), read where inductor picks a vector ISA: what the
 # tests check (graphs, partitions, parity) does not depend on vectorised code, whose templates take
 # the C++ compiler most of a CPU compile's time (the bench test's compiling child: 48 s, was 60 s).
+# (Not the sd-scripts trainers' end-to-end runs: sd_scripts_small_common.environment says why.)
 os.environ.setdefault("ATEN_CPU_CAPABILITY", "default")
 # compile_accel's own caches (auto's calibrations, compiled-graph files) start empty in every run:
 # an entry left in the user's cache by an earlier run would make a test skip what it measures.

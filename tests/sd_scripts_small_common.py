@@ -196,10 +196,14 @@ def harness_main(shrink: Callable[[], None], argv: list[str]) -> int:
 
 def environment(sd_scripts: Path, hub: Path, **extra: str) -> dict[str, str]:
     """The harness's environment: sd-scripts importable, the workspace's hub offline, and no
-    compile flag from the caller's environment (a run sets its own)."""
+    compile flag from the caller's environment (a run sets its own). Nor conftest's scalar
+    kernels (ATEN_CPU_CAPABILITY=default): with them torch 2.14.1's inductor writes C++ for
+    HunyuanImage's blocks that does not compile ("'at::vec' has not been declared"), and the
+    trainers' runs compile as a user's do."""
     from compile_accel.integrations.sd_scripts import BUDGET_ENV, SELECTIVE_ENV
 
-    env = {k: v for k, v in os.environ.items() if k not in (SELECTIVE_ENV, BUDGET_ENV)}
+    dropped = (SELECTIVE_ENV, BUDGET_ENV, "ATEN_CPU_CAPABILITY")
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     env.update(HF_HUB_CACHE=str(hub), HF_HUB_OFFLINE="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(sd_scripts), os.environ.get("PYTHONPATH")]))
     return {**env, **extra}

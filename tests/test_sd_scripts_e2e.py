@@ -5,7 +5,8 @@ anima_train_network.py, hunyuan_image_train_network.py and train_network.py (SD 
 with --v2) each train 3 LoRA steps on small random checkpoints (tests/sd_scripts_small_<model>.py shrinks
 the model factories in the training process and writes the workspace), four ways: plain,
 SDSCRIPTS_SELECTIVE_TORCH_COMPILE=1, --activation_memory_budget 0.5, and that with
---compile_workers 2; HunyuanImage also with --fp8_scaled, plain and with the budget. A
+--compile_workers 2; HunyuanImage also with --fp8_scaled, plain and with the budget; Anima with
+sd-scripts' own --compile too, where the checkout has it (newer than the sd3 branch). A
 compiled run must save the LoRA keys, shapes and dtypes of its plain run, see the plain run's
 loss at every step (same seed), and compile every region it made. Needs $SD_SCRIPTS_DIR (a checkout of sd-scripts'
 sd3 branch, with its requirements installed: .ci/e2e builds that environment); skipped without.
@@ -45,6 +46,7 @@ MODES: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
     "fp8_scaled": ({}, ("--fp8_scaled",)),
     "fp8_scaled_budget": ({}, ("--fp8_scaled", "--activation_memory_budget", "0.5")),
 }
+MODES["their_compile_budget"] = ({}, ("--compile", "--activation_memory_budget", "0.5"))
 BASELINE = {"fp8_scaled_budget": "fp8_scaled"}  # the run a compiled mode is compared with, if not plain
 FP8_SCALED_TRAINERS = ["hunyuan_image"]  # (anima_train_network.py has the flag commented out)
 # Every trainer: LoRA on the DiT/U-Net only (the harnesses whose script can cache the text
@@ -198,6 +200,22 @@ def test_compiled_run_with_fp8_scaled_weights_trains_as_its_plain_run(runs: Runs
     _assert_trains_as(runs, trainer, mode)
 
 
+@pytest.mark.parametrize("mode", ["their_compile_budget"])
+@pytest.mark.parametrize("trainer", ["anima"])
+def test_sd_scripts_own_compile_is_off_where_the_launcher_compiles(
+    runs: Runs, sd_scripts: Path, trainer: str, mode: str
+) -> None:
+    """sd-scripts' own per-block --compile (Anima's, in kohya-ss/sd-scripts after the sd3 branch:
+    library/anima_train_utils.py) with the budget: one log line says it is off, and the run
+    trains as plain with every region compiled once, by compile_accel alone."""
+    helpers = sd_scripts / "library" / "anima_train_utils.py"
+    if not helpers.exists() or '"--compile"' not in helpers.read_text():
+        pytest.skip("this sd-scripts has no --compile of its own (the sd3 branch at 3265f2ed has none)")
+    _assert_trains_as(runs, trainer, mode)
+    line = "compile_accel: sd-scripts' own --compile is off: compile_accel compiles the blocks (blocks mode)"
+    assert _run(runs, trainer, mode).log.count(line) == 1
+
+
 def _assert_trains_as(runs: Runs, trainer: str, mode: str) -> None:
     from safetensors.torch import load_file
 
@@ -220,3 +238,5 @@ def _assert_trains_as(runs: Runs, trainer: str, mode: str) -> None:
     assert REGIONS.findall(run.log) == [str(stats["regions"])], run.log[-5000:]
     assert SUMMARY.findall(run.log) == [(str(stats["compiled_regions"]), "0", "0", "[]")], run.log[-5000:]
     assert "regions were not called" not in run.log, run.log[-5000:]
+    # Graphs still out in the workers at exit (a run shorter than their compile) end with the pool.
+    assert "pool process exited" not in run.log, run.log[-5000:]
