@@ -290,9 +290,13 @@ def restore_forward(module: nn.Module, original: Callable, method: str = "forwar
 
 
 def _failure_reason(error: BaseException) -> str:
+    """The error's type and first line, and where a compiler's output follows (inductor's C++ or
+    Triton build: a first line of "C++ compile error" alone), its first error line."""
     inner = getattr(error, "inner_exception", None) or error
     text = str(inner).strip().splitlines()
-    return f"{type(inner).__name__}: {text[0] if text else ''}"
+    reason = f"{type(inner).__name__}: {text[0] if text else ''}"
+    compiler_error = next((line.strip() for line in text[1:] if "error:" in line), None)
+    return reason if compiler_error is None else f"{reason} ({compiler_error[:300]})"
 
 
 def _no_graph_reason(break_reasons_before: dict[str, int]) -> str:

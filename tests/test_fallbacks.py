@@ -4,6 +4,7 @@ limits are loud and apply in every thread; an interrupted compile counts no grap
 from __future__ import annotations
 
 import copy
+import re
 import threading
 import warnings
 
@@ -14,6 +15,7 @@ import torch
 import torch.nn as nn
 from conftest import build, inputs_for, lora_step, relative_error
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.backends.registry import register_backend
 
 import compile_accel
 from compile_accel import CompileConfig
@@ -129,6 +131,31 @@ def test_region_whose_compile_raises_falls_back() -> None:
     torch.testing.assert_close(out, expected)
     fallbacks = acceleration.stats()["fallbacks"]
     assert [f["region"] for f in fallbacks] == ["blocks.0", "blocks.1", "blocks.2"]
+
+
+class CppCompileError(RuntimeError):
+    """Inductor's, as far as the reason reads it: its type's name and its text."""
+
+
+@register_backend(name="compile_accel_test_failing_cpp")
+def _failing_cpp_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    command = "g++ /tmp/kernel.cpp -shared -fPIC -O3 -Werror=ignored-optimization-argument -o /tmp/kernel.so"
+    output = "/tmp/kernel.cpp:14:37: error: 'at::vec' has not been declared\n/tmp/kernel.cpp:18:53: error: expected"
+    raise CppCompileError(f"C++ compile error\n\nCommand:\n{command}\n\nOutput:\n{output}")
+
+
+def test_a_compiler_error_falls_back_with_the_compilers_first_error_line() -> None:
+    """A first line of "C++ compile error" alone tells a user nothing: the warning and the
+    fallback's reason carry the compiler's first error line too (not the command's flags)."""
+    model = _Stack([nn.Linear(8, 8) for _ in range(2)])
+    x = torch.randn(4, 8)
+    expected = model(x)
+    acceleration = compile_accel.apply(model, CompileConfig(mode="blocks", backend="compile_accel_test_failing_cpp"))
+    reason = "CppCompileError: C++ compile error (/tmp/kernel.cpp:14:37: error: 'at::vec' has not been declared)"
+    with pytest.warns(RuntimeWarning, match=re.escape(reason)):
+        out = model(x)
+    torch.testing.assert_close(out, expected)
+    assert {f["reason"] for f in acceleration.stats()["fallbacks"]} == {reason}
 
 
 def test_recompile_limit_hit_is_loud_and_counted() -> None:
