@@ -37,6 +37,7 @@ from .checkpointing import under_saved_tensor_checkpoint
 from .saved_bytes import SavedBytesEstimate
 from .config import CUDA_GRAPH_MODES, CompileConfig
 from .dynamo_settings import COMPILE_TAKES_RECOMPILE_LIMIT, ensure_thread_settings
+from .fallback_reasons import failure_reason, no_graph_reason
 from .precompile import TRACED, Precompiled, saved_guards
 from .selective import RegionSpec
 from .stats import RECOMPILE_LIMIT_WATCHER, Stats, graph_break_total, warn
@@ -181,7 +182,7 @@ class CompiledFunction:
             # error, and compiling stays on. The compile includes the backward graph's
             # (compile_accel.backend): this eager call gives the step eager's gradients.
             out = region.eager(*args, **kwargs)
-            self.fail(_failure_reason(error), type(module))
+            self.fail(failure_reason(error), type(module))
             return out
         _check_aliased_views(region, aliased_views)
         new_breaks, elapsed = graph_break_total() - breaks, time.perf_counter() - start
@@ -208,7 +209,7 @@ class CompiledFunction:
         elif break_reasons is not None and not torch.compiler.is_compiling():
             # Dynamo ran the whole forward eager: typically a graph break inside a checkpoint,
             # which makes dynamo run the entire checkpointed call eager.
-            self.fail(_no_graph_reason(break_reasons), type(module))
+            self.fail(no_graph_reason(break_reasons), type(module))
         return out
 
     def check_accuracy(self, region: Region, args: tuple, kwargs: dict) -> None:
@@ -287,28 +288,6 @@ def restore_forward(module: nn.Module, original: Callable, method: str = "forwar
         module.__dict__.pop(method, None)
     else:
         setattr(module, method, original)
-
-
-def _failure_reason(error: BaseException) -> str:
-    """The error's type and first line, and where a compiler's output follows (inductor's C++ or
-    Triton build: a first line of "C++ compile error" alone), its first error line."""
-    inner = getattr(error, "inner_exception", None) or error
-    text = str(inner).strip().splitlines()
-    reason = f"{type(inner).__name__}: {text[0] if text else ''}"
-    compiler_error = next((line.strip() for line in text[1:] if "error:" in line), None)
-    return reason if compiler_error is None else f"{reason} ({compiler_error[:300]})"
-
-
-def _no_graph_reason(break_reasons_before: dict[str, int]) -> str:
-    """Why a call compiled no graph, from the graph breaks dynamo counted during it."""
-    new = [r for r, n in torch._dynamo.utils.counters["graph_break"].items() if n > break_reasons_before.get(r, 0)]
-    cause = f" (graph break: {new[0].strip().splitlines()[0]})" if new else ""
-    return (
-        f"dynamo compiled no graph for its forward{cause}. A graph break inside "
-        "torch.utils.checkpoint runs the whole checkpointed call eager: compile with an "
-        "activation_memory_budget instead of the model's checkpointing, use mode='selective', or "
-        "make the code behind the break traceable"
-    )
 
 
 # Block inputs are looked at on the top level only (tensors passed directly or by keyword):

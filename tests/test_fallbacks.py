@@ -140,7 +140,7 @@ class CppCompileError(RuntimeError):
 @register_backend(name="compile_accel_test_failing_cpp")
 def _failing_cpp_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     command = "g++ /tmp/kernel.cpp -shared -fPIC -O3 -Werror=ignored-optimization-argument -o /tmp/kernel.so"
-    output = "/tmp/kernel.cpp:14:37: error: 'at::vec' has not been declared\n/tmp/kernel.cpp:18:53: error: expected"
+    output = "collect2: error: ld returned 1 exit status\n/tmp/kernel.cpp:14:37: error: 'at::vec' has not been declared"
     raise CppCompileError(f"C++ compile error\n\nCommand:\n{command}\n\nOutput:\n{output}")
 
 

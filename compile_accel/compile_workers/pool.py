@@ -17,7 +17,8 @@ GPU memory: a worker that compiled a graph holds a CUDA context of its own (abou
 benchmarks/results/h100_compile_workers/README.md), outside the training process's memory. The
 pool stops once every job handed to it is back and the first step is done (`first_step_done`;
 before that, after IDLE_SECONDS_BEFORE_FIRST_STEP_DONE without a job back) and nobody keeps it
-(`keep_running`); a later graph (new input shapes) starts a new pool.
+(`keep_running`); a later graph (new input shapes) starts a new pool. At the interpreter's exit a
+pool still up (jobs out: a run shorter than their compile) is stopped as asked, its jobs dropped.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ class WorkerPool:
         self._last_back = 0.0  # time.monotonic() when a job last came back
         self._idle_check: threading.Timer | None = None  # the pending _stop_if_idle
         self._idle_check_lock = threading.Lock()
+        atexit.register(self._stop_at_exit)
 
     def start(self, count: int) -> None:
         """Start the pool of `count` workers now (a later count is ignored; more than the CPU
@@ -110,7 +112,6 @@ class WorkerPool:
                 pool = _SpawnedPool(self.count) if SPAWNED_POOL else SubprocPool(self.count, kind=SubprocKind.SPAWN)
                 self.pool = pool
                 _close_its_pipe_ends(pool)
-                atexit.register(self._stop_at_exit)
                 logger.info("started %d compile workers", self.count)
                 # One per worker, as each starts (not in `out`, which is the graphs' jobs).
                 for _ in range(self.count):
@@ -140,8 +141,7 @@ class WorkerPool:
         for future in self.out:
             with contextlib.suppress(concurrent.futures.InvalidStateError):  # (done meanwhile)
                 future.set_exception(WorkersExited(self.exited))
-        # Not shut down: its process is gone, and a write to its pipe might never return.
-        atexit.unregister(self._stop_at_exit)
+        # Not shut down (at exit neither): its process is gone, and a write to its pipe might never return.
         warn(f"the compile workers' pool process exited ({self.exited}: killed, out of memory or crashed): the "
              "graphs it had and every later one compile in this process")
 
@@ -203,6 +203,8 @@ class WorkerPool:
     def _stop_when_idle(self) -> None:
         """Check whether the pool is idle once the last job has been back for the idle time, in a
         timer that replaces the pending one: one waiting thread, not one per job back."""
+        if self.pool is None:  # stopped (at exit too, where no thread may start): nothing to check
+            return
         idle_seconds = 0.0 if self.after_first_step else IDLE_SECONDS_BEFORE_FIRST_STEP_DONE
         with self._idle_check_lock:
             if self._idle_check is not None:
@@ -254,8 +256,8 @@ class WorkerPool:
         if pool is not None:
             self._shut_down(pool)
 
-    def _shut_down(self, pool: Any) -> None:
-        atexit.unregister(self._stop_at_exit)
+    @staticmethod
+    def _shut_down(pool: Any) -> None:
         # In a thread of its own: shutdown() joins the pool's reader thread.
         threading.Thread(target=pool.shutdown, name="compile_accel-workers-shutdown", daemon=True).start()
 
