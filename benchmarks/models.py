@@ -680,7 +680,7 @@ MODELS: dict[str, Callable[..., BenchModel]] = {  # (device, lora_rank, batch, r
     "sdscripts-anima": sdscripts_anima,
     "sdscripts-hunyuan-image": sdscripts_hunyuan_image,
 }
-# The models --fp8-base and --blocks-to-swap apply to (their builders take SdScriptsOptions).
+# The sd-scripts models (their builders take SdScriptsOptions; which options each has: below).
 SD_SCRIPTS_MODELS = sorted(name for name in MODELS if name.startswith("sdscripts-"))
 # hunyuan_image_train_network.py refuses --fp8_base (it has --fp8_scaled, weights and scales of its own);
 # anima_train_network.py turns --fp8_base off (and --fp8_scaled: its DiT supports neither).

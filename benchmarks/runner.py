@@ -111,7 +111,9 @@ class BenchSettings:
     def model_options(self) -> tuple[SdScriptsOptions, ...]:
         """The sd-scripts memory options, as the sd-scripts models' builders take them; none when
         not set (the other builders take none)."""
-        options = SdScriptsOptions(self.fp8_base, self.blocks_to_swap, self.fp8_scaled)
+        options = SdScriptsOptions(
+            fp8_base=self.fp8_base, blocks_to_swap=self.blocks_to_swap, fp8_scaled=self.fp8_scaled
+        )
         return (options,) if options != SdScriptsOptions() else ()
 
 
@@ -167,7 +169,8 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--fp8-base",
         action="store_true",
-        help="sd-scripts models only: the frozen base model stored as float8_e4m3fn and computed in bf16 under "
+        help="sd-scripts Flux, SD3, Lumina 2, SDXL and SD 1.5 only: the frozen base model stored as float8_e4m3fn "
+        "and computed in bf16 under "
         "autocast, as the trainers' --fp8_base does (the LoRA network stays fp32)",
     )
     parser.add_argument(

@@ -90,7 +90,7 @@ def test_bench_help_explains_the_memory_options(capsys) -> None:
     with pytest.raises(SystemExit):
         cli.main(["bench", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    assert "--fp8-base sd-scripts models only: the frozen base model stored as float8_e4m3fn" in help_text
+    assert "--fp8-base sd-scripts Flux, SD3, Lumina 2, SDXL and SD 1.5 only: the frozen base model stored" in help_text
     assert "--fp8-scaled sd-scripts HunyuanImage only: its blocks' Linear weights" in help_text
     assert "--blocks-to-swap N sd-scripts Flux, SD3, Lumina 2, Anima and HunyuanImage only" in help_text
     assert "--vram-cap-gib G GPU only: each mode may allocate at most G GiB per GPU" in help_text

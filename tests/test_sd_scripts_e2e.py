@@ -2,14 +2,15 @@
 
 flux_train_network.py, sdxl_train_network.py, sd3_train_network.py, lumina_train_network.py,
 anima_train_network.py, hunyuan_image_train_network.py and train_network.py (SD 1.x, and SD 2.x
-with --v2) each train 3 LoRA steps on small random checkpoints (tests/sd_scripts_small_<model>.py shrinks
-the model factories in the training process and writes the workspace), four ways: plain,
+with --v2) each train 3 LoRA steps on small random checkpoints (tests/sd_scripts_small_<model>.py
+shrinks the model factories in the training process and writes the workspace), four ways: plain,
 SDSCRIPTS_SELECTIVE_TORCH_COMPILE=1, --activation_memory_budget 0.5, and that with
 --compile_workers 2; HunyuanImage also with --fp8_scaled, plain and with the budget; Anima with
-sd-scripts' own --compile too, where the checkout has it (newer than the sd3 branch). A
-compiled run must save the LoRA keys, shapes and dtypes of its plain run, see the plain run's
-loss at every step (same seed), and compile every region it made. Needs $SD_SCRIPTS_DIR (a checkout of sd-scripts'
-sd3 branch, with its requirements installed: .ci/e2e builds that environment); skipped without.
+sd-scripts' own --compile too, where the checkout has it (newer than the sd3 branch). A compiled
+run must save the LoRA keys, shapes and dtypes of its plain run, see the plain run's loss at
+every step (same seed), and compile every region it made. Needs $SD_SCRIPTS_DIR (a checkout of
+sd-scripts' sd3 branch at 3265f2ed or its main at c162e903, with its requirements installed:
+.ci/e2e builds that environment); skipped without.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.skipif(not SD_SCRIPTS_DIR, reason="set SD_SCRIPTS_DIR t
 
 TRAINERS = ["sdxl", "lumina", "flux", "sd3", "sd15", "sd2", "anima", "hunyuan_image"]  # the slowest to compile first
 STEPS = 3
-# What the two compiled ways change: an environment variable and a flag of the launcher.
+# What each run adds to the trainer's arguments: an environment variable, flags (the launcher's, the script's).
 MODES: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
     "plain": ({}, ()),
     "selective": ({"SDSCRIPTS_SELECTIVE_TORCH_COMPILE": "1"}, ()),
@@ -45,10 +46,15 @@ MODES: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
     # The trainers with sd-scripts' scaled fp8 weights (each Linear's forward patched to dequantize).
     "fp8_scaled": ({}, ("--fp8_scaled",)),
     "fp8_scaled_budget": ({}, ("--fp8_scaled", "--activation_memory_budget", "0.5")),
+    # With sd-scripts' own per-block compile, which the launcher turns off.
+    "their_compile_budget": ({}, ("--compile", "--activation_memory_budget", "0.5")),
 }
-MODES["their_compile_budget"] = ({}, ("--compile", "--activation_memory_budget", "0.5"))
 BASELINE = {"fp8_scaled_budget": "fp8_scaled"}  # the run a compiled mode is compared with, if not plain
 FP8_SCALED_TRAINERS = ["hunyuan_image"]  # (anima_train_network.py has the flag commented out)
+# sd-scripts' own --compile: Anima's, in kohya-ss/sd-scripts' main since 2026-06 (not the sd3 branch at 3265f2ed).
+OWN_COMPILE_TRAINERS = ["anima"]
+_ANIMA_HELPERS = Path(SD_SCRIPTS_DIR or ".") / "library" / "anima_train_utils.py"
+HAS_OWN_COMPILE = _ANIMA_HELPERS.is_file() and '"--compile"' in _ANIMA_HELPERS.read_text()
 # Every trainer: LoRA on the DiT/U-Net only (the harnesses whose script can cache the text
 # encoders' outputs ask for it), fp32 on the CPU, one batch of both images a step, 3 steps.
 COMMON_ARGS = [
@@ -113,14 +119,17 @@ def runs(request: pytest.FixtureRequest, sd_scripts: Path, tmp_path_factory: pyt
 
 
 def _wanted(session: pytest.Session) -> list[tuple[str, str]]:
-    """(trainer, mode) of the runs this module's selected tests read, the compiled ones first."""
+    """(trainer, mode) of the runs this module's selected tests read (not those skipped by a
+    mark), the compiled ones first."""
     wanted = set()
     for item in session.items:
         params = getattr(item, "callspec", None) and item.callspec.params
-        if getattr(item, "module", None) is sys.modules[__name__] and params:
+        skipped = any(mark.args and mark.args[0] for mark in item.iter_markers("skipif"))
+        if getattr(item, "module", None) is sys.modules[__name__] and params and not skipped:
             mode = params.get("mode", "plain")
             wanted |= {(params["trainer"], BASELINE.get(mode, "plain")), (params["trainer"], mode)}
-    return sorted(wanted, key=lambda job: (job[1] == "plain", TRAINERS.index(job[0]), job[1]))
+    baselines = ("plain", *BASELINE.values())
+    return sorted(wanted, key=lambda job: (job[1] in baselines, TRAINERS.index(job[0]), job[1]))
 
 
 def _train(sd_scripts: Path, harness: ModuleType, paths: dict[str, Path], mode: str) -> Run:
@@ -200,17 +209,13 @@ def test_compiled_run_with_fp8_scaled_weights_trains_as_its_plain_run(runs: Runs
     _assert_trains_as(runs, trainer, mode)
 
 
+@pytest.mark.skipif(not HAS_OWN_COMPILE, reason="this sd-scripts has no --compile of its own (sd3 at 3265f2ed)")
 @pytest.mark.parametrize("mode", ["their_compile_budget"])
-@pytest.mark.parametrize("trainer", ["anima"])
-def test_sd_scripts_own_compile_is_off_where_the_launcher_compiles(
-    runs: Runs, sd_scripts: Path, trainer: str, mode: str
-) -> None:
-    """sd-scripts' own per-block --compile (Anima's, in kohya-ss/sd-scripts after the sd3 branch:
-    library/anima_train_utils.py) with the budget: one log line says it is off, and the run
-    trains as plain with every region compiled once, by compile_accel alone."""
-    helpers = sd_scripts / "library" / "anima_train_utils.py"
-    if not helpers.exists() or '"--compile"' not in helpers.read_text():
-        pytest.skip("this sd-scripts has no --compile of its own (the sd3 branch at 3265f2ed has none)")
+@pytest.mark.parametrize("trainer", OWN_COMPILE_TRAINERS)
+def test_sd_scripts_own_compile_is_off_where_the_launcher_compiles(runs: Runs, trainer: str, mode: str) -> None:
+    """sd-scripts' own per-block --compile (Anima's, library/anima_train_utils.py) with the
+    budget: one log line says it is off, and the run trains as plain with every region compiled
+    once, by compile_accel alone."""
     _assert_trains_as(runs, trainer, mode)
     line = "compile_accel: sd-scripts' own --compile is off: compile_accel compiles the blocks (blocks mode)"
     assert _run(runs, trainer, mode).log.count(line) == 1
@@ -220,6 +225,8 @@ def _assert_trains_as(runs: Runs, trainer: str, mode: str) -> None:
     from safetensors.torch import load_file
 
     plain, run = _run(runs, trainer, BASELINE.get(mode, "plain")), _run(runs, trainer, mode)
+    if "--fp8_scaled" in MODES[mode][1]:  # taken by both runs' loader (a line rich may wrap)
+        assert all(re.search(r"fp8_scaled:\s+True", r.log) for r in (plain, run)), run.log[-5000:]
     assert run.lora == plain.lora and len(run.losses) == STEPS
     losses = [abs(a - b) / abs(b) for a, b in zip(run.losses, plain.losses)]
     got, want = load_file(run.weights), load_file(plain.weights)
