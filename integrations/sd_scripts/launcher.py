@@ -265,8 +265,8 @@ class Launch:
         say(", ".join(f"{k}={stats[k]:.1f}" if k == "compile_seconds" else f"{k}={stats[k]}" for k in keys))
 
 
-# The sd-scripts the launcher is tested against (.ci/e2e pins it).
-KNOWN_TO_WORK = "sd3 branch at 3265f2ed (2026-02-16)"
+# The sd-scripts the launcher is tested against (.ci/e2e pins the first; SD_SCRIPTS_COMMIT picks the second).
+KNOWN_TO_WORK = "sd3 branch at 3265f2ed (2026-02-16) and main at c162e903 (2026-06-18)"
 
 
 def unknown_layout(what: str) -> LaunchError:
