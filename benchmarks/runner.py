@@ -17,9 +17,9 @@ the matmul rate for the model FLOP utilisation, and with `--profile-steps N` the
 kind over N more steps.
 
 For the sd-scripts models, `--fp8-base`, `--fp8-scaled` and `--blocks-to-swap N` are the
-trainers' own memory options, applied their way (benchmarks/models.py). `--vram-cap-gib G` lets each child allocate
-at most G GiB per GPU, so a large GPU shows what fits a smaller card; a mode that runs out of
-memory (under the cap or not) is a row marked OOM with the error's first line.
+trainers' own memory options, applied their way (benchmarks/models.py). `--vram-cap-gib G` lets
+each child allocate at most G GiB per GPU, so a large GPU shows what fits a smaller card; a mode
+that runs out of memory (under the cap or not) is a row marked OOM with the error's first line.
 """
 
 from __future__ import annotations
@@ -170,8 +170,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
         "--fp8-base",
         action="store_true",
         help="sd-scripts Flux, SD3, Lumina 2, SDXL and SD 1.5 only: the frozen base model stored as float8_e4m3fn "
-        "and computed in bf16 under "
-        "autocast, as the trainers' --fp8_base does (the LoRA network stays fp32)",
+        "and computed in bf16 under autocast, as the trainers' --fp8_base does (the LoRA network stays fp32)",
     )
     parser.add_argument(
         "--fp8-scaled",
