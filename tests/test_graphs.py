@@ -116,7 +116,7 @@ def _call_by_name(gm: torch.fx.GraphModule, **tensors: torch.Tensor) -> tuple:
 
 def test_attention_rewrites_reach_a_checkpoint_traced_inside_the_region() -> None:
     """A checkpoint inside a compiled region becomes a higher-order op with its own body graph;
-    the attention there gets contiguous inputs too."""
+    the attention there gets dense token-major inputs too."""
     from compile_accel.attention import rewrite_attention
 
     def attention(qkv: torch.Tensor) -> torch.Tensor:
@@ -132,25 +132,60 @@ def test_attention_rewrites_reach_a_checkpoint_traced_inside_the_region() -> Non
     sdpa = [
         n for body in bodies for n in body.graph.nodes if n.target is torch.nn.functional.scaled_dot_product_attention
     ]
-    assert len(sdpa) == 1 and [arg.target for arg in sdpa[0].args[:3]] == ["contiguous"] * 3
+    assert len(sdpa) == 1 and all(map(_made_token_major, sdpa[0].args[:3]))
 
 
-def test_attention_inputs_are_made_contiguous_in_the_graph() -> None:
-    """Permuted q/k/v reach scaled_dot_product_attention as contiguous copies (a torch 2.11
-    inductor bug gave wrong gradients for them); the graph computes the same values."""
-    from compile_accel.attention import contiguous_attention_inputs
+def _made_token_major(node: torch.fx.Node) -> bool:
+    """`node` is x.transpose(1, 2).contiguous().transpose(1, 2)."""
+    chain = [node, node.args[0], node.args[0].args[0]]
+    return [n.target for n in chain] == ["transpose", "contiguous", "transpose"] and node.args[1:] == (1, 2)
 
-    def attention(qkv: torch.Tensor) -> torch.Tensor:
+
+class _AttentionInputs(torch.overrides.TorchFunctionMode):
+    """Records the q, k and v tensors each scaled_dot_product_attention call receives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[list[torch.Tensor]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            named = dict(zip(("query", "key", "value"), args)) | kwargs
+            self.calls.append([named[name] for name in ("query", "key", "value")])
+        return func(*args, **kwargs)
+
+
+def test_attention_inputs_get_dense_token_major_buffers_in_the_graph() -> None:
+    """Permuted views of one projection reach scaled_dot_product_attention as buffers of their
+    own, laid out (batch, tokens, heads, head_dim) (a torch 2.11 inductor bug gave wrong gradients
+    for permuted q/k/v); a 3-d input becomes contiguous; the graph computes the same values, and
+    AOTAutograd would still cache it (what a compile worker needs)."""
+    from torch._functorch._aot_autograd.autograd_cache import check_cacheable
+
+    from compile_accel.attention import token_major_attention_inputs
+
+    def attention(qkv: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q, k, v = qkv.unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
-        return torch.nn.functional.scaled_dot_product_attention(q, k, value=v)  # diffusers passes keywords
+        heads = torch.nn.functional.scaled_dot_product_attention(q, k, value=v)  # diffusers passes keywords
+        flat = x.transpose(1, 2)  # (batch, tokens, dim) without a heads dimension, not contiguous
+        return heads, torch.nn.functional.scaled_dot_product_attention(flat, flat, flat)
 
-    qkv = torch.randn(2, 5, 48)
-    (gm,) = _dynamo_graphs(attention, qkv)
-    expected = gm(qkv)
-    assert contiguous_attention_inputs(gm) == 1
-    sdpa = next(n for n in gm.graph.nodes if n.target is torch.nn.functional.scaled_dot_product_attention)
-    assert [arg.target for arg in (*sdpa.args[:2], sdpa.kwargs["value"])] == ["contiguous"] * 3
-    torch.testing.assert_close(gm(qkv), expected)
+    qkv, x = torch.randn(2, 5, 48), torch.randn(2, 8, 5)
+    (gm,) = _dynamo_graphs(attention, qkv, x)
+    expected = _call_by_name(gm, qkv=qkv, x=x)
+    assert token_major_attention_inputs(gm) == 2
+    check_cacheable(gm)  # raises BypassAOTAutogradCache for a node it would not cache
+    recorded = _AttentionInputs()
+    with recorded:
+        got = _call_by_name(gm, qkv=qkv, x=x)
+    (q, k, v), flat = recorded.calls
+    batch, heads, tokens, head_dim = q.shape
+    for tensor in (q, k, v):
+        assert tensor.stride() == (tokens * heads * head_dim, head_dim, heads * head_dim, 1)
+        assert tensor.untyped_storage().data_ptr() != qkv.untyped_storage().data_ptr()
+    assert all(t.is_contiguous() for t in flat)
+    torch.testing.assert_close(got, expected)
 
 
 def test_expanded_boolean_mask_becomes_an_additive_mask_made_before_the_expand() -> None:
