@@ -15,7 +15,7 @@ def rewrite_attention(gm: torch.fx.GraphModule) -> None:
     higher-order ops such as a checkpoint traced inside the region)."""
     for module in list(gm.modules()):
         if isinstance(module, torch.fx.GraphModule):
-            additive_masks_before_expand(module)  # reads example values that the next rewrite's nodes lack
+            additive_masks_before_expand(module)  # reads the query as traced, before the next rewrite replaces it
             token_major_attention_inputs(module)
 
 
