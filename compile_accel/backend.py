@@ -43,10 +43,14 @@ from .saved_bytes import SavedBytesEstimate
 from .stats import Stats
 
 
-# CompileConfig.fast_compile: inductor settings patched around the regions' compiles only.
+# CompileConfig.fast_compile (off by default): inductor settings patched around the regions'
+# compiles only. On a full H100/H200 the steps were as fast without the three; on a 4090's compute
+# (--gpu-like rtx4090) they cost step time: sd-scripts' SD3 selective 0.3903 s with none of them,
+# 0.3929 with dynamic_scale_rblock alone, 0.3964 with all three
+# (benchmarks/results/h200_gpu_like_rtx4090/README.md).
 # pattern_matcher, triton.autotune_pointwise: blocks call attention through SDPA and their matmuls
 # through extern kernels, which those passes would look for; without them a cold compile takes
-# seconds less and the steps are no slower (benchmarks/results/h100_compile_profile/knobs/README.md).
+# seconds less (benchmarks/results/h100_compile_profile/knobs/README.md).
 # dynamic_scale_rblock: for a reduction kernel that uses many registers, inductor compiles a
 # second config (half the reduction block) when the kernel is loaded, and benchmarks the two
 # at its first launch, in every process: torch <= 2.12 never takes the choice from its autotune

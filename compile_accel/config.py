@@ -61,9 +61,10 @@ class CompileConfig:
         compiled; inside a compiled region they run eager behind a graph break.
     fast_compile: compile the regions without inductor's pattern-matcher passes, without
         autotuning pointwise kernels and without its second config for register-heavy
-        reductions (compile_accel.backend.FAST_COMPILE_SETTINGS): seconds less per block class
-        and per warm start, Lumina 2's and Flux's steps as fast (SDXL's, and the figures:
-        docs/modes.md). False compiles with inductor's defaults.
+        reductions (compile_accel.backend.FAST_COMPILE_SETTINGS): seconds less per cold compile
+        of a block class and up to a second less per warm start, but slower steps on a 4090's
+        compute (sd-scripts' SD3 1.6%, Anima 0.9%; docs/modes.md). False (the default) compiles
+        with inductor's defaults: a training run pays those seconds back within a few hundred steps.
     compile_workers: 0 compiles each graph in this process, the step waiting for it. N > 0 hands
         each graph's compile (AOTAutograd and inductor) to N worker processes (inductor only; on
         Windows spawned ones, see compile_accel.compile_workers): the step runs each graph uncompiled until it is back, and the graphs of every
@@ -88,7 +89,7 @@ class CompileConfig:
     recompile_limit: int = 64
     exclude: list[str] = field(default_factory=list)
     vram_limit_gib: float | None = None
-    fast_compile: bool = True
+    fast_compile: bool = False
     compile_workers: int = 0
     base_compute: str | None = None
 

@@ -381,6 +381,50 @@ def test_until_it_is_compiled_a_budgeted_graph_runs_under_a_checkpoint(checkpoin
     assert len(calls) == (2 if checkpointed else 1)
 
 
+def test_uncompiled_a_checkpoint_traced_in_the_graph_keeps_no_activation_of_its_body() -> None:
+    """Blocks mode with the trainer's checkpointing on: dynamo traces the checkpoint as an op that
+    torch <= 2.12 runs outside a compile as a plain call of its body (pytorch/pytorch#160773).
+    Until compiled, the graph checkpoints for real: nothing of the body is kept for the backward,
+    the gradients are eager's, and the graph left for the compile still holds the traced op."""
+    x, w = torch.randn(3, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+    gm, inputs = traced_graph(_checkpointed_sine, x, w)
+    saved: list[torch.Size] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        (out,) = compile_workers.run_uncompiled(gm, inputs, checkpointed=False)
+    # The checkpoint keeps its inputs; a plain call of the body would keep the matmul's product too.
+    assert saved == [x.shape, w.shape]
+    grads = torch.autograd.grad(out.sum(), (x, w))
+    expected = _checkpointed_sine(x, w)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    for grad, eager in zip(grads, torch.autograd.grad(expected.sum(), (x, w))):
+        torch.testing.assert_close(grad, eager, rtol=1e-5, atol=1e-6)
+    assert any(node.target is torch.ops.higher_order.tag_activation_checkpoint for node in gm.graph.nodes)
+
+
+_CUDNN_ATTENTION_SEEN: list[bool] = []
+
+
+@torch._dynamo.allow_in_graph
+def _noting_cudnn_attention(t: torch.Tensor) -> torch.Tensor:
+    _CUDNN_ATTENTION_SEEN.append(torch.backends.cuda.cudnn_sdp_enabled())
+    return t * 1.0
+
+
+def test_uncompiled_a_traced_checkpoint_recomputes_under_the_attention_backends_of_its_forward() -> None:
+    """Uncompiled graphs run without cuDNN's attention; a checkpoint's recompute in the backward
+    must too, or the attention it recomputes saves another kernel's values than its forward did
+    (a CheckpointError on the GPU)."""
+    x = torch.randn(3, 4, requires_grad=True)
+    gm, inputs = traced_graph(
+        lambda t: torch.utils.checkpoint.checkpoint(lambda a: _noting_cudnn_attention(a).sin(), t, use_reentrant=False), x
+    )
+    _CUDNN_ATTENTION_SEEN.clear()
+    (out,) = compile_workers.run_uncompiled(gm, inputs, checkpointed=False)
+    out.sum().backward()
+    assert _CUDNN_ATTENTION_SEEN == [False, False]  # the forward, then the recompute
+    torch.testing.assert_close(x.grad, x.cos())
+
+
 def test_a_worker_compiles_under_the_training_process_grad_mode_autocast_and_flags() -> None:
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         state = compile_workers.packing.runtime_state()

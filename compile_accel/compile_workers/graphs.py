@@ -10,6 +10,7 @@ import enum
 import logging
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -56,13 +57,50 @@ def _aot_cache_hits() -> int:
 _ATTENTION_WITHOUT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+# Dynamo traces a checkpoint call inside a region (blocks mode with the trainer's checkpointing on)
+# as this op. Outside a compile, torch 2.11 runs it as a plain call of its body, which keeps every
+# activation for the backward (pytorch/pytorch#160773): a first step running such graphs uncompiled
+# took the memory of a step without checkpointing (sd-scripts' Anima at batch 2 ran out of 24 GiB;
+# benchmarks/results/h200_gpu_like_rtx4090/README.md). torch 2.13 checkpoints it, but recomputes
+# outside `_uncompiled`'s attention backends. Uncompiled, our graphs call a checkpoint of our own.
+_TRACED_CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
+_WITH_EAGER_CHECKPOINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _eager_checkpoint(body: torch.fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+    """The traced checkpoint op's meaning, run eagerly: a non-reentrant checkpoint of its body
+    (with the selective-checkpoint policy that dynamo keeps on the body, if any), recomputed
+    under the attention backends it ran under (another backend's saved values differ)."""
+    kwargs["use_reentrant"] = False
+    if "_checkpoint_context_fn" in body.meta:
+        kwargs["context_fn"] = body.meta["_checkpoint_context_fn"]
+    return checkpoint(_uncompiled, body, *args, **kwargs)
+
+
+def _with_eager_checkpoints(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """`gm`, or a copy of it (made once) whose traced checkpoints call `_eager_checkpoint`: the
+    graph itself stays as traced, for its compile."""
+    if gm not in _WITH_EAGER_CHECKPOINTS:
+        runnable = gm
+        if any(node.target is _TRACED_CHECKPOINT for node in gm.graph.nodes):
+            graph = torch.fx.Graph()
+            graph._codegen = gm.graph._codegen
+            graph.output(graph.graph_copy(gm.graph, {}))
+            for node in graph.nodes:
+                if node.target is _TRACED_CHECKPOINT:
+                    node.target = _eager_checkpoint
+            runnable = torch.fx.GraphModule(gm, graph)
+        _WITH_EAGER_CHECKPOINTS[gm] = runnable
+    return _WITH_EAGER_CHECKPOINTS[gm]
+
+
 def _uncompiled(gm: torch.fx.GraphModule, *inputs: Any) -> Any:
     # Without cuDNN's attention: its eager backward fails on gradients laid out as a compiled
     # step's neighbours give them (torch 2.11: an illegal memory access;
     # benchmarks/results/h200_workers_whole_compile/README.md); inductor's lowering lays them out
     # for it, eager does not.
     with sdpa_kernel(_ATTENTION_WITHOUT_CUDNN):
-        return gm(*inputs)
+        return _with_eager_checkpoints(gm)(*inputs)
 
 
 def run_uncompiled(gm: torch.fx.GraphModule, inputs: tuple | list, checkpointed: bool) -> Any:
