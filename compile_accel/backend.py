@@ -46,7 +46,7 @@ from .stats import Stats
 # CompileConfig.fast_compile (off by default): inductor settings patched around the regions'
 # compiles only. On a full H100/H200 the steps were as fast without the three; on a 4090's compute
 # (--gpu-like rtx4090) they cost step time: sd-scripts' SD3 selective 0.3903 s with none of them,
-# 0.3929 with dynamic_scale_rblock alone, 0.3964 with all three
+# 0.3929 with dynamic_scale_rblock=False alone, 0.3964 with all three
 # (benchmarks/results/h200_gpu_like_rtx4090/README.md).
 # pattern_matcher, triton.autotune_pointwise: blocks call attention through SDPA and their matmuls
 # through extern kernels, which those passes would look for; without them a cold compile takes

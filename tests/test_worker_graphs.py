@@ -6,9 +6,11 @@ the worker's result cannot be loaded, and wait_and_load. Stand-in graphs and com
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import threading
 import time
 import warnings
+import weakref
 from typing import Any, Callable
 
 import pytest
@@ -383,22 +385,35 @@ def test_until_it_is_compiled_a_budgeted_graph_runs_under_a_checkpoint(checkpoin
 
 def test_uncompiled_a_checkpoint_traced_in_the_graph_keeps_no_activation_of_its_body() -> None:
     """Blocks mode with the trainer's checkpointing on: dynamo traces the checkpoint as an op that
-    torch <= 2.12 runs outside a compile as a plain call of its body (pytorch/pytorch#160773).
+    torch 2.11 runs outside a compile as a plain call of its body (pytorch/pytorch#160773).
     Until compiled, the graph checkpoints for real: nothing of the body is kept for the backward,
     the gradients are eager's, and the graph left for the compile still holds the traced op."""
     x, w = torch.randn(3, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
     gm, inputs = traced_graph(_checkpointed_sine, x, w)
-    saved: list[torch.Size] = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         (out,) = compile_workers.run_uncompiled(gm, inputs, checkpointed=False)
     # The checkpoint keeps its inputs; a plain call of the body would keep the matmul's product too.
-    assert saved == [x.shape, w.shape]
+    assert saved and all(t is x or t is w for t in saved)
     grads = torch.autograd.grad(out.sum(), (x, w))
     expected = _checkpointed_sine(x, w)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
     for grad, eager in zip(grads, torch.autograd.grad(expected.sum(), (x, w))):
         torch.testing.assert_close(grad, eager, rtol=1e-5, atol=1e-6)
     assert any(node.target is torch.ops.higher_order.tag_activation_checkpoint for node in gm.graph.nodes)
+
+
+def test_graphs_run_uncompiled_are_freed_once_dropped() -> None:
+    """Each graph's runnable version is kept for its next call, not beyond the graph's own life."""
+    gm, inputs = traced_graph(_checkpointed_sine, torch.randn(3, 4), torch.randn(4, 4))
+    plain, plain_inputs = traced_graph(sine, torch.randn(3))
+    compile_workers.run_uncompiled(gm, inputs, checkpointed=False)
+    compile_workers.run_uncompiled(plain, plain_inputs, checkpointed=False)
+    graphs = [weakref.ref(gm), weakref.ref(plain)]
+    del gm, plain, inputs, plain_inputs
+    torch._dynamo.reset()
+    gc.collect()
+    assert [graph() for graph in graphs] == [None, None]
 
 
 _CUDNN_ATTENTION_SEEN: list[bool] = []

@@ -9,7 +9,8 @@ hands to the region's backend goes, with fake stand-ins for its inputs, to one o
 processes, which compile it as this process would (AOTAutograd and inductor, under the same
 settings) into inductor's and AOTAutograd's caches. Until it is back, the graph runs as traced,
 in eager PyTorch (under a non-reentrant checkpoint where a budget replaced the block's own
-checkpointing, so that it saves no more than the block did). At its first call after the worker
+checkpointing, so that it saves no more than the block did; a checkpoint traced inside it runs as
+one too, graphs._eager_checkpoint). At its first call after the worker
 is done, the graph is compiled here, from those caches (AOTAutograd cache hit: seconds, no
 tracing), and runs compiled from then on. So the first step does not wait for AOTAutograd or
 inductor, and the graphs of every block class compile at the same time. A trainer that wants

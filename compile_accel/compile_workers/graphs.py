@@ -70,7 +70,9 @@ _WITH_EAGER_CHECKPOINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _eager_checkpoint(body: torch.fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
     """The traced checkpoint op's meaning, run eagerly: a non-reentrant checkpoint of its body
     (with the selective-checkpoint policy that dynamo keeps on the body, if any), recomputed
-    under the attention backends it ran under (another backend's saved values differ)."""
+    under the attention backends it ran under (another backend's saved values differ; on CUDA
+    the recompute sets them from autograd's device thread while the step's thread waits in
+    backward())."""
     kwargs["use_reentrant"] = False
     if "_checkpoint_context_fn" in body.meta:
         kwargs["context_fn"] = body.meta["_checkpoint_context_fn"]
@@ -79,9 +81,10 @@ def _eager_checkpoint(body: torch.fx.GraphModule, *args: Any, **kwargs: Any) -> 
 
 def _with_eager_checkpoints(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """`gm`, or a copy of it (made once) whose traced checkpoints call `_eager_checkpoint`: the
-    graph itself stays as traced, for its compile."""
+    graph itself stays as traced, for its compile. (Checkpoints in the bodies of other
+    higher-order ops are left to torch.)"""
     if gm not in _WITH_EAGER_CHECKPOINTS:
-        runnable = gm
+        rewritten = None  # (not gm itself: a value holding its key would keep it alive)
         if any(node.target is _TRACED_CHECKPOINT for node in gm.graph.nodes):
             graph = torch.fx.Graph()
             graph._codegen = gm.graph._codegen
@@ -89,9 +92,10 @@ def _with_eager_checkpoints(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             for node in graph.nodes:
                 if node.target is _TRACED_CHECKPOINT:
                     node.target = _eager_checkpoint
-            runnable = torch.fx.GraphModule(gm, graph)
-        _WITH_EAGER_CHECKPOINTS[gm] = runnable
-    return _WITH_EAGER_CHECKPOINTS[gm]
+            rewritten = torch.fx.GraphModule(gm, graph)
+        _WITH_EAGER_CHECKPOINTS[gm] = rewritten
+    rewritten = _WITH_EAGER_CHECKPOINTS[gm]
+    return gm if rewritten is None else rewritten
 
 
 def _uncompiled(gm: torch.fx.GraphModule, *inputs: Any) -> Any:
