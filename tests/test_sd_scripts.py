@@ -168,6 +168,7 @@ def test_help_lists_the_flags(checkout: Path) -> None:
         "--activation_memory_budget",
         "--compile_dynamic",
         "--compile_recompile_limit",
+        "--compile_fast",
         "--base_compute",
     ):
         assert flag in proc.stdout
@@ -315,6 +316,7 @@ def test_bad_budget_is_an_argparse_error(value: str) -> None:
         (["--compile_dynamic", "true"], {}, "need --selective_torch_compile or --activation_memory_budget"),
         (["--compile_workers", "4"], {}, "need --selective_torch_compile or --activation_memory_budget"),
         (["--compile_cuda_graphs"], {}, "need --selective_torch_compile or --activation_memory_budget"),
+        (["--compile_fast"], {}, "need --selective_torch_compile or --activation_memory_budget"),
         (
             ["--activation_memory_budget", "0.3", "--compile_cuda_graphs"],
             {"blocks_to_swap": 8},
@@ -400,6 +402,12 @@ def test_dynamic_shapes_need_msvc_only_on_windows(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(dynamo_settings, "cpp_compiler", lambda: (None, "g++ is not found"))
     monkeypatch.setattr(sys, "platform", "linux")
     assert dynamo_settings.dynamic_shapes_refusal() is None
+
+
+def test_compile_fast_becomes_the_compile_config() -> None:
+    assert accel.config_from_args(_parse("--selective_torch_compile")).fast_compile is False
+    assert accel.config_from_args(_parse("--selective_torch_compile", "--compile_fast")).fast_compile is True
+    assert accel.config_from_args(_parse("--activation_memory_budget", "0.5", "--compile_fast")).fast_compile is True
 
 
 def test_compile_workers_become_the_compile_config_where_torch_has_them(monkeypatch: pytest.MonkeyPatch) -> None:
