@@ -321,6 +321,49 @@ def test_graphs_inside_a_trainers_checkpoint_switch_between_steps_not_before_its
     clear_caches()
 
 
+def test_whole_blocks_with_the_trainers_checkpoint_traced_train_as_eager_before_and_after_the_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks mode without a budget keeps the blocks' checkpointing, which dynamo traces into each
+    graph. Until the workers are back the graphs run uncompiled, the traced checkpoint as a real
+    non-reentrant one (torch 2.11 would keep every activation of the block); compiled after."""
+    from torch._inductor.utils import clear_caches
+
+    model, params, eager, eager_params = _twins_compiled_in_workers(tmp_path, monkeypatch)
+    checkpoint, checkpointed = compile_workers.graphs.checkpoint, []
+
+    def counted_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        checkpointed.append(kwargs["use_reentrant"])
+        return checkpoint(*args, **kwargs)
+
+    monkeypatch.setattr(compile_workers.graphs, "checkpoint", counted_checkpoint)
+    acceleration = compile_accel.apply(model, CompileConfig(mode="blocks", compile_workers=WORKERS))
+    gate = compile_workers.POOL.pool = _GatedPool(compile_workers.POOL.pool)
+    errors, checkpoints_per_step = [], []
+    try:
+        for step in range(3):
+            if step == 1:  # every graph back before the second step, which switches to them
+                gate.open()
+                assert compile_workers.wait() > 0
+            inputs = inputs_for(model)
+            grads = torch.autograd.grad(model(*inputs).square().mean(), params)
+            expected = torch.autograd.grad(eager(*inputs).square().mean(), eager_params)
+            errors.append(max(relative_error(g, e) for g, e in zip(grads, expected, strict=True)))
+            checkpoints_per_step.append(len(checkpointed))
+    finally:
+        gate.open()
+    # The uncompiled step checkpointed each block; the compiled ones left it to the graphs.
+    assert checkpoints_per_step[0] == len(model.single_blocks) and checkpointed == [False] * len(checkpointed)
+    assert checkpoints_per_step[2] == checkpoints_per_step[0]
+    stats = acceleration.stats()
+    assert stats["worker_graphs_compiled"] == stats["worker_graphs_started"] > 0
+    assert stats["worker_failures"] == [] and stats["fallbacks"] == []
+    assert max(errors) < TOLERANCE, errors
+    acceleration.remove()
+    torch._dynamo.reset()
+    clear_caches()
+
+
 @pytest.fixture
 def spawned_pool(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Windows' kind of worker pool (spawned processes), a pool of its own, stopped after."""
