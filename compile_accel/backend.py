@@ -273,6 +273,12 @@ class RegionBackend:
         self.traced = None
         return True
 
+    def count_eager_call(self) -> None:
+        """A call that ran eager in place of the graph the next call runs: auto's traced step
+        counts it as that graph's."""
+        if self.estimating and self._estimate is not None:
+            self._estimate.ran_eager()
+
     def _settings(self) -> contextlib.AbstractContextManager:
         stack = contextlib.ExitStack()
         stack.enter_context(torch._functorch.config.patch(self._aot_settings))

@@ -29,6 +29,7 @@ from typing import Any, Callable, NoReturn
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 from .backend import RegionBackend
 from .base_compute import BaseLinears
@@ -39,6 +40,7 @@ from .config import CUDA_GRAPH_MODES, CompileConfig
 from .dynamo_settings import COMPILE_TAKES_RECOMPILE_LIMIT, ensure_thread_settings
 from .fallback_reasons import failure_reason, no_graph_reason
 from .precompile import TRACED, Precompiled, saved_guards
+from .region_inputs import SharedInputs, canonical_inputs, check_aliased_views
 from .selective import RegionSpec
 from .stats import RECOMPILE_LIMIT_WATCHER, Stats, graph_break_total, warn
 
@@ -74,6 +76,7 @@ class CompiledFunction:
         # pair is checked for compiling none; dynamo guards both, so that call must compile one.
         self.compiled_contexts: set[tuple[type, bool]] = set()
         self.accuracy_checked: set[type] = set()  # classes base_compute's accuracy check has run for
+        self.shared_inputs = SharedInputs()  # each class's conditioning inputs (compile_accel.region_inputs)
         self._warned_checkpoint = False
         self.precompiled = Precompiled(fn)
         # The function each call signature compiles: `fn` for the first, a copy for each other.
@@ -156,12 +159,24 @@ class CompiledFunction:
         that compiled no graph makes the region's class fall back to eager (this call included)."""
         ensure_thread_settings(self.recompile_limit)
         module = region.module
-        args, kwargs, aliased_views = _canonical_inputs(args, kwargs, module.training and torch.is_grad_enabled())
+        training = module.training and torch.is_grad_enabled()
+        shared = frozenset()
+        if training:
+            if self.shared_inputs.repeats_eager_call(module):
+                return self._run_eager(region, args, kwargs)
+            # (by the class at apply(): FSDP2 gives a module a class of its own later)
+            kind = self.region_kinds[region.name]
+            instances = sum(other is kind for other in self.region_kinds.values())
+            shared = self.shared_inputs.slots(module, instances, args, kwargs)
+            if shared is None:
+                self.backend.count_eager_call()
+                return self._run_eager(region, args, kwargs)
+        args, kwargs, aliased_views = canonical_inputs(args, kwargs, training, shared)
         budget = self.precompile_budget()
         loaded = None if budget is False else self.precompiled.find(region.owner, args, kwargs, budget)
         if loaded is not None:  # compiled at an earlier start (compile_accel.precompile)
             out = loaded(*args, **kwargs) if region.owner is None else loaded(region.owner, *args, **kwargs)
-            _check_aliased_views(region, aliased_views)
+            check_aliased_views(region.name, aliased_views)
             self.compiled_contexts.add((type(module), torch.is_grad_enabled()))
             return out
         stats = self.stats
@@ -184,7 +199,7 @@ class CompiledFunction:
             out = region.eager(*args, **kwargs)
             self.fail(failure_reason(error), type(module))
             return out
-        _check_aliased_views(region, aliased_views)
+        check_aliased_views(region.name, aliased_views)
         new_breaks, elapsed = graph_break_total() - breaks, time.perf_counter() - start
         if stats.graphs != graphs or new_breaks:
             stats.compile_seconds += elapsed
@@ -212,13 +227,23 @@ class CompiledFunction:
             self.fail(no_graph_reason(break_reasons), type(module))
         return out
 
+    def _run_eager(self, region: Region, args: tuple, kwargs: dict) -> Any:
+        """The first training call of a class of several blocks, which `shared_inputs` compares
+        the next block's call with (and a trainer's checkpoint's recompute of it): eager, under a
+        checkpoint where none is around it (a budget replaced the model's), so that it keeps no
+        more than a compiled call would."""
+        if under_saved_tensor_checkpoint():
+            return region.eager(*args, **kwargs)
+        return checkpoint(region.eager, *args, use_reentrant=False, **kwargs)
+
     def check_accuracy(self, region: Region, args: tuple, kwargs: dict) -> None:
         """base_compute's accuracy check (compile_accel.base_compute_probe) at the first training
         call of `region`'s class that runs compiled: after auto's traced step, not inside another
         compile."""
         kind = type(region.module)
         if (
-            kind in self.accuracy_checked
+            self.shared_inputs.ran_eager(region.module)  # (this call: not compiled)
+            or kind in self.accuracy_checked
             or kind in self.failed_kinds
             or not (region.module.training and torch.is_grad_enabled())
             or self.backend.estimating
@@ -269,15 +294,6 @@ def _with_own_code(fn: Callable) -> Callable:
     return copy
 
 
-def _check_aliased_views(region: Region, aliased_views: list[tuple[torch.Tensor, int]]) -> None:
-    if any(alias._version != version for alias, version in aliased_views):
-        raise RuntimeError(
-            f"compile_accel: {region.name} changed a view or non-contiguous input in place; compiled regions get "
-            "such inputs as plain (or copied) tensors, so the change or its base's gradient would be lost. "
-            "Leave the module eager (CompileConfig.exclude)."
-        )
-
-
 def restore_forward(module: nn.Module, original: Callable, method: str = "forward") -> None:
     """Undo an instance-level replacement of `module.<method>`, keeping any the user had before."""
     if (
@@ -296,72 +312,6 @@ def restore_forward(module: nn.Module, original: Callable, method: str = "forwar
 
 def _top_level_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
-
-
-def _is_broadcast_mask(value: torch.Tensor) -> bool:
-    return value.dtype == torch.bool and any(
-        stride == 0 and size > 1 for stride, size in zip(value.stride(), value.shape)
-    )
-
-
-class _NotAView(torch.autograd.Function):
-    """The same tensor (storage, layout, gradient), no longer marked as a view of another."""
-
-    @staticmethod
-    def forward(ctx: Any, value: torch.Tensor) -> torch.Tensor:
-        return value.detach()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad
-
-
-def _canonical_inputs(args: tuple, kwargs: dict, training: bool) -> tuple[tuple, dict, list[tuple[torch.Tensor, int]]]:
-    """Tensor inputs in one layout, so every block of a list shares one graph; also returns the
-    aliased views (below) with their versions, for the caller to check after the call.
-
-    Strided inputs (Flux's single blocks get slices of a concatenated tensor) are copied
-    contiguous; boolean broadcast masks keep their stride-0 layout (the values repeat). Views
-    are passed as plain tensors: dynamo guards a view's base, which recompiles a dynamic graph
-    for a later non-view input (sd-scripts' Lumina 2). In training, floating inputs require
-    grad: the first block of a list is fed by frozen embedders, the others by blocks with LoRA,
-    and one graph serves both (the price: the first block's input gradient, dropped).
-    """
-
-    aliased_views = []
-
-    def canonical(value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value
-        if (
-            value.stride() != _contiguous_strides(value.shape)
-            and not value.is_contiguous(memory_format=torch.channels_last)
-            and not _is_broadcast_mask(value)
-        ):
-            copy = value.clone(memory_format=torch.contiguous_format)
-            aliased_views.append((copy, copy._version))  # an in-place change would not reach `value`
-            value = copy
-        if value.requires_grad:
-            if not value._is_view():
-                return value
-            alias = _NotAView.apply(value)
-            aliased_views.append((alias, alias._version))
-            return alias
-        if training and value.is_floating_point():
-            # Not a leaf, so an in-place change in the block is allowed as in eager (same storage).
-            return _NotAView.apply(value.detach().requires_grad_(True))
-        return value.detach()
-
-    args, kwargs = tuple(canonical(v) for v in args), {k: canonical(v) for k, v in kwargs.items()}
-    return args, kwargs, aliased_views
 
 
 def _under_outer_checkpoint() -> bool | None:

@@ -313,6 +313,7 @@ class SavedBytesEstimate:
         self._partition = _inductor_partition()
         self._pending: GraphRecord | None = None  # partitioned, its forward not compiled yet
         self._in_counted_step = False  # between new_step() and end_step()
+        self._eager_calls = 0  # counted calls that ran eager in place of the next graph called
         self._partitions_deadline = 0.0  # time.monotonic() by which the workers' partitions are due
 
     def backend(self) -> Callable:
@@ -332,6 +333,7 @@ class SavedBytesEstimate:
         training steps that run the traced graphs while workers partition them do not count)."""
         for graph in self.graphs:
             graph.calls = 0
+        self._eager_calls = 0
         self._in_counted_step = True
 
     def end_step(self) -> None:
@@ -347,7 +349,14 @@ class SavedBytesEstimate:
     def called(self, graph: GraphRecord) -> None:
         """One call of `graph` (counted inside the counted step only)."""
         if self._in_counted_step:
-            graph.calls += 1
+            graph.calls += 1 + self._eager_calls
+            self._eager_calls = 0
+
+    def ran_eager(self) -> None:
+        """A call that ran eager in place of a graph: a block class's first call
+        (compile_accel.region_inputs), counted as a call of the next graph called."""
+        if self._in_counted_step:
+            self._eager_calls += 1
 
     def partitions_out(self) -> bool:
         """Whether a compile worker is still partitioning a graph the counted step called, and

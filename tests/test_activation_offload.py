@@ -334,6 +334,7 @@ def _driven_by_hand(monkeypatch) -> tuple[Stack, BlockOffloadConductor]:
     monkeypatch.setattr(activations, "MIN_ACTIVATION_BYTES", 0)
     model = Stack(checkpointing=None)
     compile_accel.apply(model, CompileConfig(mode="blocks", activation_memory_budget=1.0, backend="aot_eager"))
+    step(model, stack_inputs())  # (the class's first call runs eager: compile_accel.region_inputs)
     conductor = BlockOffloadConductor(offload_fraction=0.5, device="cpu", activation_offload=True)
     return model, conductor.attach(model.blocks, hooks=False)
 

@@ -337,6 +337,8 @@ def test_whole_blocks_with_the_trainers_checkpoint_traced_train_as_eager_before_
         return checkpoint(*args, **kwargs)
 
     monkeypatch.setattr(compile_workers.graphs, "checkpoint", counted_checkpoint)
+    # (and the eager first call of each block class: compile_accel.region_inputs)
+    monkeypatch.setattr(compile_accel.regions, "checkpoint", counted_checkpoint)
     acceleration = compile_accel.apply(model, CompileConfig(mode="blocks", compile_workers=WORKERS))
     gate = compile_workers.POOL.pool = _GatedPool(compile_workers.POOL.pool)
     errors, checkpoints_per_step = [], []
@@ -475,6 +477,7 @@ def test_auto_runs_its_traced_step_uncompiled_under_checkpoints_while_workers_pa
             patch.setattr(saved_bytes.SavedBytesEstimate, "_partition_traced", note)
             patch.setattr(saved_bytes, "partition_saved_bytes", note)
             patch.setattr(compile_workers.graphs, "checkpoint", counted_checkpoint)
+            patch.setattr(compile_accel.regions, "checkpoint", counted_checkpoint)  # (a class's eager first call)
             waiting = predict(run, device, parameters, counts, limit=-1)  # the traced step alone
             assert isinstance(waiting, Waiting)  # for the workers' partitions
             added.extend(auto._estimate.added_bytes(budget) for budget in CANDIDATES)
