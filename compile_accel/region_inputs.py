@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .checkpointing import under_saved_tensor_checkpoint
+
 # A tensor input's place in a call: its position, or its keyword.
 Slot = int | str
 
@@ -54,12 +56,12 @@ class SharedInputs:
         return module in self._ran_eager
 
     def repeats_eager_call(self, module: nn.Module) -> bool:
-        """Whether this call is a trainer's checkpoint recomputing, in the backward, a first call
-        that ran eager: it must run eager again (a checkpoint checks that its recompute saves the
-        tensors its forward saved)."""
+        """Whether this call is a trainer's non-reentrant checkpoint recomputing, in the backward,
+        a first call that ran eager: it must run eager again (such a checkpoint checks that its
+        recompute saves the tensors its forward saved; a reentrant one runs a forward of its own)."""
         if module not in self._ran_eager:
             return False
-        if torch._C._current_graph_task_id() != -1:  # in a backward
+        if torch._C._current_graph_task_id() != -1 and under_saved_tensor_checkpoint():
             return True
         self._ran_eager.discard(module)
         return False
@@ -139,7 +141,7 @@ def canonical_inputs(
             copy = value.clone(memory_format=torch.contiguous_format)
             aliased_views.append((copy, copy._version))  # an in-place change would not reach `value`
             value = copy
-        if value.requires_grad:
+        if value.requires_grad and torch.is_grad_enabled():  # (without grad, one graph whatever they are)
             if not value._is_view():
                 return value
             alias = _NotAView.apply(value)

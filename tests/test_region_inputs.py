@@ -4,6 +4,7 @@ the same tensor, as the caller gives it."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 from conftest import relative_error
@@ -12,7 +13,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch.utils.checkpoint import checkpoint
 
 import compile_accel
-from compile_accel import CompileConfig
+from compile_accel import CompileConfig, regions
 
 TOLERANCE = 1e-5  # float32 on the CPU, aot_eager: the same ops as eager
 WIDTH = 16
@@ -30,11 +31,11 @@ def _inputs_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
 class _ModulatedBlock(nn.Module):
     """A DiT block in small: a frozen modulation of the timestep embedding, a trained Linear."""
 
-    def __init__(self, checkpointed: bool) -> None:
+    def __init__(self, checkpointed: bool, reentrant: bool = False) -> None:
         super().__init__()
         self.modulation = nn.Linear(WIDTH, 2 * WIDTH).requires_grad_(False)
         self.proj = nn.Linear(WIDTH, WIDTH)  # trained (a LoRA's stand-in)
-        self.checkpointed = checkpointed
+        self.checkpointed, self.reentrant = checkpointed, reentrant
 
     def body(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         scale, gate = self.modulation(emb).unsqueeze(1).chunk(2, dim=-1)
@@ -42,16 +43,17 @@ class _ModulatedBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         if self.checkpointed:
-            return checkpoint(self.body, x, emb, use_reentrant=False)
+            return checkpoint(self.body, x, emb, use_reentrant=self.reentrant)
         return self.body(x, emb)
 
 
 class _Model(nn.Module):
-    def __init__(self, checkpointed: bool = False) -> None:
+    def __init__(self, checkpointed: bool = False, reentrant: bool = False) -> None:
         super().__init__()
-        self.x_embedder = nn.Linear(WIDTH, WIDTH).requires_grad_(False)
+        # (trained under a reentrant checkpoint, which gives no gradient to a call whose inputs have none)
+        self.x_embedder = nn.Linear(WIDTH, WIDTH).requires_grad_(reentrant)
         self.t_embedder = nn.Linear(1, WIDTH).requires_grad_(False)
-        self.blocks = nn.ModuleList([_ModulatedBlock(checkpointed) for _ in range(3)])
+        self.blocks = nn.ModuleList([_ModulatedBlock(checkpointed, reentrant) for _ in range(3)])
 
     def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         x, emb = self.x_embedder(x), self.t_embedder(t)
@@ -67,9 +69,9 @@ def _step(model: nn.Module, inputs: tuple[torch.Tensor, torch.Tensor]) -> list[t
     return grads
 
 
-def _twins(checkpointed: bool = False) -> tuple[nn.Module, nn.Module]:
-    model = _Model(checkpointed)
-    eager = _Model(checkpointed)
+def _twins(checkpointed: bool = False, reentrant: bool = False) -> tuple[nn.Module, nn.Module]:
+    model = _Model(checkpointed, reentrant)
+    eager = _Model(checkpointed, reentrant)
     eager.load_state_dict(model.state_dict())
     return model, eager
 
@@ -97,21 +99,33 @@ def test_conditioning_keeps_its_requires_grad_and_the_hidden_states_require_grad
     acceleration.remove()
 
 
-def test_selective_inside_the_models_own_checkpoint_runs_the_first_call_eager_in_its_recompute_too() -> None:
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_selective_inside_the_models_own_checkpoint_runs_the_first_call_eager_once(
+    reentrant: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Selective compiles the body the block checkpoints: the first block's first call runs
-    eager, and so must the checkpoint's recompute of it in the backward (a checkpoint checks that
-    its recompute saves what its forward saved); gradients as eager's, every step."""
+    eager, and so must a non-reentrant checkpoint's recompute of it in the backward (it checks
+    that its recompute saves what its forward saved); a reentrant one runs its forward in the
+    backward, where the first call is. Gradients as eager's every step; eager in the first step
+    only (counted by the checkpoint the eager call runs under where no checkpoint is around it)."""
     _GRAPH_INPUTS.clear()
-    model, eager = _twins(checkpointed=True)
+    model, eager = _twins(checkpointed=True, reentrant=reentrant)
+    eager_calls = []
+    monkeypatch.setattr(regions, "checkpoint", lambda *args, **kwargs: eager_calls.append(1) or checkpoint(*args, **kwargs))
     config = CompileConfig(mode="selective", backend="compile_accel_test_inputs")
     acceleration = compile_accel.apply(model, config, blocks=["blocks"])
+    per_step = []
     for _ in range(3):
         inputs = _inputs()
         grads, expected = _step(model, inputs), _step(eager, inputs)
         assert all(relative_error(g, e) < TOLERANCE for g, e in zip(grads, expected, strict=True))
+        per_step.append(len(eager_calls))
     stats = acceleration.stats()
-    assert (stats["compiled_regions"], stats["unique_graphs"], stats["recompiles"]) == (3, 1, 0)
+    # A reentrant checkpoint's forward runs without grad: one graph more, for all blocks.
+    assert (stats["compiled_regions"], stats["unique_graphs"], stats["recompiles"]) == (3, 1 + reentrant, 0)
     assert ((2, WIDTH), False) in _GRAPH_INPUTS[0]
+    # Non-reentrant: the eager call sits inside the model's checkpoint (no checkpoint of its own).
+    assert per_step == ([1, 1, 1] if reentrant else [0, 0, 0])
     acceleration.remove()
 
 
