@@ -23,7 +23,7 @@ it compares its tensors with that call's.
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -66,16 +66,18 @@ class SharedInputs:
         self._ran_eager.discard(module)
         return False
 
-    def slots(self, module: nn.Module, instances: int, args: tuple, kwargs: dict) -> frozenset[Slot] | None:
-        """The shared slots for this training call of `module`, one of `instances` blocks of its
-        class; None for the class's first call (run it eager)."""
+    def slots(
+        self, module: nn.Module, instances: Callable[[], int], args: tuple, kwargs: dict
+    ) -> frozenset[Slot] | None:
+        """The shared slots for this training call of `module`, one of `instances()` blocks of
+        its class (asked until the slots are known); None for the class's first call (run it eager)."""
         key = (type(module), len(args), tuple(kwargs))
         known = self._known.get(key)
         if known is not None:
             return known
         tensors = _tensor_slots(args, kwargs)
         first = self._first.get(key)
-        if instances < 2 or (first is not None and first[0]() is module):
+        if instances() < 2 or (first is not None and first[0]() is module):
             # One block (or one of a signature): the same caller each step, its pattern as it is.
             known = frozenset(tensors)
         elif first is None:

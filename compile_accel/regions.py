@@ -166,7 +166,7 @@ class CompiledFunction:
                 return self._run_eager(region, args, kwargs)
             # (by the class at apply(): FSDP2 gives a module a class of its own later)
             kind = self.region_kinds[region.name]
-            instances = sum(other is kind for other in self.region_kinds.values())
+            instances = lambda: sum(other is kind for other in self.region_kinds.values())  # noqa: E731
             shared = self.shared_inputs.slots(module, instances, args, kwargs)
             if shared is None:
                 self.backend.count_eager_call()
