@@ -95,8 +95,10 @@ class Acceleration:
 
     @property
     def functions(self) -> list[CompiledFunction]:
-        """The compiled functions the regions share (one per block class and method)."""
-        return list(dict.fromkeys(region.shared for region in self.regions))
+        """The compiled functions the regions share (one per block class and method; a body's
+        with its checkpoint traced too)."""
+        functions = [f for r in self.regions for f in (r.shared, r.under_checkpoint) if f is not None]
+        return list(dict.fromkeys(functions))
 
     @property
     def signature(self) -> str:
@@ -267,12 +269,16 @@ def _compile_blocks(
             f"base_compute={config.base_compute!r} found no frozen nn.Linear in the compiled regions: "
             "every matmul runs in the model's dtypes"
         )
+    under_checkpoint: dict[Callable, CompiledFunction] = {}  # a body's, with its checkpoint traced
     for spec in specs:
         method = getattr(spec.module, spec.method)
         fn = getattr(method, "__func__", method)
         if fn not in shared:
             shared[fn] = CompiledFunction(fn, config, stats, base_linears)
-        regions.append(Region(spec, shared[fn], config))
+        if spec.method != "forward" and fn not in under_checkpoint:  # the body a block checkpoints
+            under_checkpoint[fn] = CompiledFunction(fn, config, stats, base_linears, traces_checkpoint=True)
+            under_checkpoint[fn].shared_inputs = shared[fn].shared_inputs  # the same calls: one decision per class
+        regions.append(Region(spec, shared[fn], config, under_checkpoint.get(fn)))
     if config.mode != "off" and not regions:
         warn(
             f"mode={config.mode!r} found nothing to compile in {[bl.path for bl in block_lists]}: their compute is "

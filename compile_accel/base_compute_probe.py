@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .autograd_graph import accumulating_leaves
+from .checkpointing import keep_saved_tensors
 from .stats import warn
 
 logger = logging.getLogger("compile_accel")
@@ -38,10 +39,9 @@ def compare_compute(
     of `compute`."""
     devices = {t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
     try:
-        # Identity hooks: a checkpoint's saved-tensor hooks, active around this call, must not see
-        # these runs' tensors.
+        # A checkpoint's saved-tensor hooks, active around this call, must not see these runs' tensors.
         with torch.random.fork_rng([d for d in devices if d.type == "cuda"]), torch.enable_grad():
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            with keep_saved_tensors():
                 expected, expected_gradients = _output_and_gradients(eager, args, kwargs, None)
                 output, gradients = _output_and_gradients(compiled, args, kwargs, list(expected_gradients))
     except torch.OutOfMemoryError:

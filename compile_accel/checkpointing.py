@@ -1,19 +1,36 @@
-"""Switching a model's own gradient checkpointing off for blocks that get a memory budget.
+"""The model's own gradient checkpointing: switched off for blocks that get a memory budget,
+and traced into selective mode's graph of a body that torch's checkpoint calls.
 
 A checkpoint inside (or around) a budgeted block makes the partitioner's choice moot: it
 discards every activation and recomputes the whole block. Trainers switch checkpointing with
 a `gradient_checkpointing` flag, either on each block (kohya sd-scripts' mixins) or on the
 module that loops over the blocks (diffusers models); both are turned off here and put back
 by `Acceleration.remove()`.
+
+Selective mode compiles the body a block hands to its checkpoint (compile_accel.selective). Run
+inside torch's eager checkpoint, that compiled body saves its activations for the checkpoint to
+discard, and the backward runs the whole compiled forward again. Where torch's non-reentrant
+checkpoint itself calls the body (`checkpoint(self._forward, ...)`: sd-scripts' Flux, SD3,
+Lumina 2, Anima), the region runs `traced_checkpoint(body)` instead, in which dynamo traces the
+checkpoint as it does inside a torch.compile'd block: the partitioner saves the body's inputs and
+recomputes in the backward only what the backward needs. Its saved tensors are kept from the
+eager checkpoint around it (`keep_saved_tensors`), which then has nothing to recompute: the
+inputs it holds are the ones the graph saves. A body reached through a wrapper of the trainer's
+(sd-scripts' CPU-offload checkpointing, which moves the inputs to the GPU and the outputs to the
+host; Anima's unsloth offload) or a reentrant checkpoint (SDXL's U-Net) runs as before.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
+from types import FrameType
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 from .blocks import BlockList
 
@@ -79,4 +96,34 @@ def under_saved_tensor_checkpoint() -> bool:
     """True inside a non-reentrant torch.utils.checkpoint region (its saved-tensor hooks are on)."""
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     pack = hooks[0] if hooks else None
-    return pack is not None and "checkpoint" in getattr(pack, "__module__", "")
+    return pack is not None and getattr(pack, "__module__", None) == "torch.utils.checkpoint"
+
+
+_TORCH_CHECKPOINT_CODE = inspect.unwrap(checkpoint).__code__
+
+
+def called_by_torch_checkpoint(caller: FrameType) -> bool:
+    """True when `caller` is torch.utils.checkpoint.checkpoint itself running its function
+    non-reentrant, not a wrapper of the trainer's around the function."""
+    return caller.f_code is _TORCH_CHECKPOINT_CODE and under_saved_tensor_checkpoint()
+
+
+def traced_checkpoint(body: Callable) -> Callable:
+    """`body` under torch's non-reentrant checkpoint, for dynamo to trace. Named after `body`
+    (compile_accel.precompile keeps graphs by name)."""
+
+    def under_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(body, *args, use_reentrant=False, **kwargs)
+
+    under_checkpoint.__module__ = body.__module__
+    under_checkpoint.__qualname__ = f"{body.__qualname__} under its checkpoint"
+    return under_checkpoint
+
+
+def _kept(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def keep_saved_tensors() -> torch.autograd.graph.saved_tensors_hooks:
+    """Tensors saved inside stay with what saved them, out of an eager checkpoint's reach."""
+    return torch.autograd.graph.saved_tensors_hooks(_kept, _kept)

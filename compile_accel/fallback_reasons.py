@@ -21,10 +21,13 @@ def failure_reason(error: BaseException) -> str:
     return reason if compiler_error is None else f"{reason} ({compiler_error[:300]})"
 
 
-def no_graph_reason(break_reasons_before: dict[str, int]) -> str:
-    """Why a call compiled no graph, from the graph breaks dynamo counted during it."""
+def no_graph_reason(break_reasons_before: dict[str, int], advice: bool = True) -> str:
+    """Why a call compiled no graph, from the graph breaks dynamo counted during it; `advice`:
+    with what to do about a break inside the model's checkpoint."""
     new = [r for r, n in torch._dynamo.utils.counters["graph_break"].items() if n > break_reasons_before.get(r, 0)]
     cause = f" (graph break: {new[0].strip().splitlines()[0]})" if new else ""
+    if not advice:
+        return f"dynamo compiled no graph for it{cause}"
     return (
         f"dynamo compiled no graph for its forward{cause}. A graph break inside "
         "torch.utils.checkpoint runs the whole checkpointed call eager: compile with an "

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import sys
 import time
 import types
 from typing import Any, Callable, NoReturn
@@ -34,7 +35,7 @@ from torch.utils.checkpoint import checkpoint
 from .backend import RegionBackend
 from .base_compute import BaseLinears
 from .base_compute_probe import compare_compute
-from .checkpointing import under_saved_tensor_checkpoint
+from .checkpointing import called_by_torch_checkpoint, keep_saved_tensors, traced_checkpoint, under_saved_tensor_checkpoint
 from .saved_bytes import SavedBytesEstimate
 from .config import CUDA_GRAPH_MODES, CompileConfig
 from .dynamo_settings import COMPILE_TAKES_RECOMPILE_LIMIT, ensure_thread_settings
@@ -61,9 +62,17 @@ class CompiledFunction:
     """One torch.compile of one forward function, shared by every region that runs it."""
 
     def __init__(
-        self, fn: Callable, config: CompileConfig, stats: Stats, base_linears: BaseLinears | None = None
+        self,
+        fn: Callable,
+        config: CompileConfig,
+        stats: Stats,
+        base_linears: BaseLinears | None = None,
+        traces_checkpoint: bool = False,
     ) -> None:
-        self.fn = fn
+        # traces_checkpoint: compile `fn` under torch's checkpoint (compile_accel.checkpointing), for
+        # the calls torch's checkpoint makes of a body region.
+        self.traces_checkpoint = traces_checkpoint
+        self.fn = with_own_code(traced_checkpoint(fn)) if traces_checkpoint else fn
         self.config = config
         self.base_linears = base_linears  # CompileConfig.base_compute's layers, rewritten in every graph
         self.recompile_limit = config.recompile_limit
@@ -78,7 +87,7 @@ class CompiledFunction:
         self.accuracy_checked: set[type] = set()  # classes base_compute's accuracy check has run for
         self.shared_inputs = SharedInputs()  # each class's conditioning inputs (compile_accel.region_inputs)
         self._warned_checkpoint = False
-        self.precompiled = Precompiled(fn)
+        self.precompiled = Precompiled(self.fn)
         # The function each call signature compiles: `fn` for the first, a copy for each other.
         self._functions: dict[CallSignature, Callable] = {}
         # Per budget: its backend and its torch.compile of each signature's function.
@@ -87,7 +96,7 @@ class CompiledFunction:
         ] = {}
         budget = config.activation_memory_budget
         self.use_budget(None if budget == "auto" else budget, stats)
-        code = getattr(fn, "__code__", None)
+        code = getattr(self.fn, "__code__", None)
         if code is not None:
             RECOMPILE_LIMIT_WATCHER.listen(self, code, self._on_recompile_limit)
 
@@ -115,7 +124,7 @@ class CompiledFunction:
         signature = (len(args), tuple(kwargs))
         if signature not in self._compiled:
             if signature not in self._functions:
-                self._functions[signature] = _with_own_code(self.fn) if self._functions else self.fn
+                self._functions[signature] = with_own_code(self.fn) if self._functions else self.fn
             options: dict[str, Any] = {
                 "backend": self.backend,
                 "fullgraph": self.config.fullgraph,
@@ -131,10 +140,16 @@ class CompiledFunction:
         return getattr(self.fn, "__qualname__", repr(self.fn))
 
     def fail(self, reason: str, kind: type) -> None:
-        """Every region of this function and class `kind` runs eager from now on; one warning
-        says so."""
+        """Every region of this function and class `kind` runs eager from now on (with its
+        checkpoint traced: the body compiled alone, under the eager checkpoint); one warning says so."""
         self.failed_kinds[kind] = reason
         regions = [r for r in self.regions if self.region_kinds[r] is kind]
+        if self.traces_checkpoint:
+            warn(
+                f"{self.name} (class {kind.__name__}) could not be compiled with its checkpoint traced: {reason}. "
+                "The body is compiled alone and the checkpoint runs eager (the backward runs the whole body again)"
+            )
+            return
         self.stats.fallbacks.extend((region, reason) for region in regions)
         warn(
             f"{self.name} (regions {', '.join(regions[:3])}{', ...' if len(regions) > 3 else ''}) "
@@ -191,12 +206,12 @@ class CompiledFunction:
             out = compiled(*args, **kwargs) if region.owner is None else compiled(region.owner, *args, **kwargs)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
             # fullgraph=True turns the limit into an error; the watcher has warned and counted.
-            return region.eager(*args, **kwargs)
+            return self.eager(region, args, kwargs)
         except torch._dynamo.exc.TorchDynamoException as error:
             # A call that is wrong in itself (a bad input shape) raises eager too, with the real
             # error, and compiling stays on. The compile includes the backward graph's
             # (compile_accel.backend): this eager call gives the step eager's gradients.
-            out = region.eager(*args, **kwargs)
+            out = self.eager(region, args, kwargs)
             self.fail(failure_reason(error), type(module))
             return out
         check_aliased_views(region.name, aliased_views)
@@ -224,8 +239,14 @@ class CompiledFunction:
         elif break_reasons is not None and not torch.compiler.is_compiling():
             # Dynamo ran the whole forward eager: typically a graph break inside a checkpoint,
             # which makes dynamo run the entire checkpointed call eager.
-            self.fail(no_graph_reason(break_reasons), type(module))
+            self.fail(no_graph_reason(break_reasons, advice=not self.traces_checkpoint), type(module))
         return out
+
+    def eager(self, region: Region, args: tuple, kwargs: dict) -> Any:
+        """The call uncompiled: the region's method (with its checkpoint, where traced)."""
+        if self.traces_checkpoint:
+            return checkpoint(region.eager, *args, use_reentrant=False, **kwargs)
+        return region.eager(*args, **kwargs)
 
     def _run_eager(self, region: Region, args: tuple, kwargs: dict) -> Any:
         """The first training call of a class of several blocks, which `shared_inputs` compares
@@ -283,7 +304,7 @@ class CompiledFunction:
         )
 
 
-def _with_own_code(fn: Callable) -> Callable:
+def with_own_code(fn: Callable) -> Callable:
     """A copy of the Python function `fn` whose code object is its own (dynamo's graphs and
     guards are kept per code object); anything else as it is."""
     if not isinstance(fn, types.FunctionType):
@@ -358,12 +379,21 @@ class Region:
     """One module whose forward (or checkpointed body method) is dispatched to a shared
     CompiledFunction."""
 
-    def __init__(self, spec: RegionSpec, shared: CompiledFunction, config: CompileConfig) -> None:
+    def __init__(
+        self,
+        spec: RegionSpec,
+        shared: CompiledFunction,
+        config: CompileConfig,
+        under_checkpoint: CompiledFunction | None = None,
+    ) -> None:
         self.spec = spec
         self.name = spec.label
         self.module = spec.module
         self.method = spec.method
         self.shared = shared
+        # A body region's method compiled with its checkpoint traced, for the calls torch's
+        # checkpoint makes (compile_accel.checkpointing).
+        self.under_checkpoint = under_checkpoint
         self.eager = getattr(spec.module, spec.method)
         self.owner = _split_method(self.eager)[1]
         self.check_outer_checkpoint = config.activation_memory_budget is not None
@@ -373,8 +403,10 @@ class Region:
         self._tensor_dicts_generation = -1
         _watch_module_trees()
         self.__wrapped__ = self.eager  # inspect.signature(module.forward) still shows the real one
-        shared.regions.append(self.name)
-        shared.region_kinds[self.name] = type(self.module)
+        for function in (shared, under_checkpoint):
+            if function is not None:
+                function.regions.append(self.name)
+                function.region_kinds[self.name] = type(self.module)
 
     def __reduce__(self) -> tuple[type, tuple[str]]:
         # A region is this process's compile state (shared compiled functions, their backends,
@@ -424,7 +456,16 @@ class Region:
             self.check_outer_checkpoint = under is None
             if under:
                 shared.note_still_checkpointed([self.name], "called inside torch.utils.checkpoint")
-        out = shared.run(self, args, kwargs)
+        traced = self.under_checkpoint
+        if (
+            traced is not None
+            and type(self.module) not in traced.failed_kinds
+            and called_by_torch_checkpoint(sys._getframe(1))
+        ):
+            with keep_saved_tensors():
+                out = traced.run(self, args, kwargs)
+        else:
+            out = shared.run(self, args, kwargs)
         if shared.base_linears is not None:
             shared.check_accuracy(self, args, kwargs)
         return out

@@ -19,7 +19,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from ..stats import Stats, warn
-from .packing import compile_packed, in_runtime_state, runtime_state, set_flags, unseen_by_checkpoints
+from ..checkpointing import keep_saved_tensors
+from .packing import compile_packed, in_runtime_state, runtime_state, set_flags
 from .pool import POOL, compiles_here
 
 logger = logging.getLogger("compile_accel")
@@ -121,7 +122,7 @@ def compile_packed_here(packed: bytes, compiler: Callable, state: dict[str, Any]
     put back after."""
     here = runtime_state()
     try:
-        with unseen_by_checkpoints(), in_runtime_state(state):
+        with keep_saved_tensors(), in_runtime_state(state):
             return compile_packed(packed, compiler)
     finally:
         set_flags(here)
@@ -263,7 +264,7 @@ class WorkerGraph:
                     torch.autograd.backward(outputs, [torch.ones_like(out) for out in outputs])
 
         try:
-            with torch.random.fork_rng(devices=devices), unseen_by_checkpoints():
+            with torch.random.fork_rng(devices=devices), keep_saved_tensors():
                 forward_and_backward()
                 if self._runtime["grad"]:
                     _in_a_backward(forward_and_backward, devices[0] if devices else torch.device("cpu"))

@@ -17,7 +17,8 @@ import torch
 from ..dynamo_settings import HAS_EAGER_BACKWARD_KNOB
 from ..stats import Stats, warn
 from .graphs import WorkerGraph, compile_packed_here
-from .packing import GraphPickler, job, pack_graph, runtime_state, unseen_by_checkpoints
+from ..checkpointing import keep_saved_tensors
+from .packing import GraphPickler, job, pack_graph, runtime_state
 from .pool import POOL, WorkersExited, compiles_here
 from .worker import cache_env, compile_in_worker, compile_job, precompile_in_worker
 
@@ -90,7 +91,7 @@ def precompile_in_workers(gm: torch.fx.GraphModule, example_inputs: list[Any], c
     from torch._dynamo.aot_compile_types import SerializableCallable
 
     SerializableCallable.register(WorkerPrecompiled)  # what aot_compile takes
-    with unseen_by_checkpoints():
+    with keep_saved_tensors():
         packed = pack_graph(gm, example_inputs)
     if isinstance(packed, str):
         raise RuntimeError(f"cannot hand the graph to a compile worker: {packed}")
@@ -114,7 +115,7 @@ def pack_traced(gm: torch.fx.GraphModule, example_inputs: list[Any], label: str)
     """`gm` packed as it is now, before anything compiles it (None: it cannot go to a worker)."""
     if not should_use_local_autograd_cache():
         return None
-    with unseen_by_checkpoints():
+    with keep_saved_tensors():
         packed = pack_graph(gm, example_inputs)
     return None if isinstance(packed, str) else TracedGraph(gm, packed, runtime_state(), label)
 
@@ -174,7 +175,7 @@ def compile_in_workers(
         warn(f"{label} compiles in this process: compile workers need AOTAutograd's local cache, which is off")
         return compile_here(gm, example_inputs)
     # Packed before anything compiles: inductor's pre-grad passes may rewrite gm in place.
-    with unseen_by_checkpoints():
+    with keep_saved_tensors():
         packed = pack_graph(gm, example_inputs)
     if POOL.misses_in_a_row < MISSES_BEFORE_COLD:
         try:

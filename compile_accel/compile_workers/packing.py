@@ -25,13 +25,6 @@ except ImportError:
     GraphPickler = None
 
 
-def unseen_by_checkpoints() -> contextlib.AbstractContextManager:
-    """Around our own work with fake tensors inside a step (packing a graph, loading it): what
-    autograd saves there must not reach a checkpoint's hooks, which count the tensors its
-    forward saves against what its recomputation saves."""
-    return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
-
-
 # The state outside the graph that AOTAutograd traces it under and keys its cache on: a worker
 # compiles under the training process's.
 _AUTOCAST_DEVICES = ("cpu", "cuda")

@@ -1,0 +1,147 @@
+"""Selective mode traces torch's checkpoint of a block's body into the body's graph
+(compile_accel.checkpointing): the backward recomputes inside the compiled graph, and the eager
+checkpoint around the body has nothing to recompute. A body behind a wrapper of the trainer's
+(sd-scripts' CPU-offload checkpointing) keeps the eager checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from conftest import relative_error
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+from torch.utils.checkpoint import checkpoint
+
+import compile_accel
+from compile_accel import CompileConfig
+
+TOLERANCE = 1e-5  # float32 on the CPU, aot_eager: the same ops as eager
+WIDTH, HIDDEN = 16, 64
+BLOCKS = 3
+
+# Per backward graph: the shapes of the tensors its forward saved for it.
+_SAVED: list[list[tuple[int, ...]]] = []
+
+
+def _record_saved(graph: torch.fx.GraphModule, _: list) -> object:
+    placeholders = [n for n in graph.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
+    _SAVED.append([tuple(n.meta["val"].shape) for n in placeholders if "val" in n.meta])
+    return make_boxed_func(graph.forward)
+
+
+@torch._dynamo.register_backend(name="compile_accel_test_saved")
+def _saved_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+    forward = lambda g, _: make_boxed_func(g.forward)  # noqa: E731
+    return aot_autograd(fw_compiler=forward, bw_compiler=_record_saved)(gm, example_inputs)
+
+
+def _moved(tensor: torch.Tensor) -> torch.Tensor:
+    """sd-scripts' `to_cuda` of an offloaded input, in small: a new tensor."""
+    return tensor.clone()
+
+
+class _Block(nn.Module):
+    """sd-scripts' checkpoint mixin: `forward` checkpoints `_forward`; `offloaded`: through
+    sd-scripts' CPU-offload wrapper, which moves the inputs before calling the body."""
+
+    def __init__(self, offloaded: bool = False, graph_break: bool = False) -> None:
+        super().__init__()
+        self.up = nn.Linear(WIDTH, HIDDEN)
+        self.down = nn.Linear(HIDDEN, WIDTH)
+        self.offloaded, self.graph_break = offloaded, graph_break
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.up(x))
+        if self.graph_break:
+            torch._dynamo.graph_break()
+        return x + self.down(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offloaded:
+
+            def create_custom_forward(func):
+                def custom_forward(*inputs):
+                    return func(*[_moved(t) for t in inputs])
+
+                return custom_forward
+
+            return checkpoint(create_custom_forward(self._forward), x, use_reentrant=False)
+        return checkpoint(self._forward, x, use_reentrant=False)
+
+
+class _Model(nn.Module):
+    def __init__(self, **block: bool) -> None:
+        super().__init__()
+        self.embed = nn.Linear(WIDTH, WIDTH).requires_grad_(False)
+        self.blocks = nn.ModuleList([_Block(**block) for _ in range(BLOCKS)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _steps(**block: bool) -> tuple[compile_accel.Acceleration, list[int]]:
+    """Three training steps on fresh inputs, gradients as eager's; the body region calls of each."""
+    _SAVED.clear()
+    model, eager = _Model(**block), _Model(**block)
+    eager.load_state_dict(model.state_dict())
+    config = CompileConfig(mode="selective", backend="compile_accel_test_saved")
+    acceleration = compile_accel.apply(model, config, blocks=["blocks"])
+    calls = []
+    for _ in range(3):
+        x = torch.randn(2, 8, WIDTH)
+        before = sum(region.calls for region in acceleration.regions)
+        grads = []
+        for m in (model, eager):
+            m(x).square().mean().backward()
+            grads.append([p.grad for p in m.parameters() if p.requires_grad])
+            m.zero_grad(set_to_none=True)
+        assert all(relative_error(g, e) < TOLERANCE for g, e in zip(*grads, strict=True))
+        calls.append(sum(region.calls for region in acceleration.regions) - before)
+    return acceleration, calls
+
+
+def _saves_hidden_activations() -> bool:
+    """Whether a backward graph was handed an activation of the blocks' hidden width."""
+    return any(len(shape) == 3 and shape[-1] == HIDDEN for saved in _SAVED for shape in saved)
+
+
+def test_torchs_checkpoint_of_the_body_is_traced_and_recomputes_inside_the_graph() -> None:
+    """One graph for the class, each body called once a step (the eager checkpoint around it
+    recomputes nothing), and the graph saves no hidden activation (the traced checkpoint
+    recomputes it in the backward)."""
+    acceleration, calls = _steps()
+    stats = acceleration.stats()
+    assert (stats["compiled_regions"], stats["unique_graphs"], stats["recompiles"], stats["fallbacks"]) == (
+        BLOCKS,
+        1,
+        0,
+        [],
+    )
+    assert calls == [BLOCKS] * 3
+    assert _SAVED and not _saves_hidden_activations()
+    acceleration.remove()
+
+
+def test_a_body_behind_the_trainers_wrapper_keeps_the_eager_checkpoint() -> None:
+    """Called by a wrapper that moves its inputs, the body is compiled alone: the eager
+    checkpoint recomputes it in the backward (two calls a step), its graph saving its activations."""
+    acceleration, calls = _steps(offloaded=True)
+    assert acceleration.stats()["unique_graphs"] == 1
+    assert calls == [2 * BLOCKS] * 3
+    assert _saves_hidden_activations()
+    acceleration.remove()
+
+
+def test_a_traced_checkpoint_that_compiles_no_graph_falls_back_to_the_body_alone_and_says_so() -> None:
+    """A graph break in the body makes dynamo run the traced checkpoint eager: a warning, and
+    the body compiled alone (its two pieces) under the eager checkpoint from then on."""
+    with pytest.warns(RuntimeWarning, match="could not be compiled with its checkpoint traced"):
+        acceleration, calls = _steps(graph_break=True)
+    stats = acceleration.stats()
+    assert stats["fallbacks"] == [] and stats["compiled_regions"] == BLOCKS and stats["unique_graphs"] >= 2
+    assert calls[1:] == [2 * BLOCKS] * 2
+    acceleration.remove()
