@@ -262,7 +262,7 @@ def _compile_blocks(
     stats = Stats()
     shared: dict[Callable, CompiledFunction] = {}
     regions = []
-    specs = region_specs(config.mode, block_lists, config.exclude)
+    specs = region_specs(config.mode, block_lists, config.exclude, config.compile_mode in CUDA_GRAPH_MODES)
     base_linears = BaseLinears.find(config.base_compute, specs, config.exclude) if config.base_compute else None
     if base_linears is not None and not base_linears.layers:
         warn(

@@ -8,7 +8,14 @@ that hold no checkpoint call themselves, so the checkpoint wrapper stays eager:
   `checkpoint(self._forward, ...)`, `checkpoint(create_custom_forward(self.forward_body), ...)`,
   Anima's `torch_checkpoint(...)` and `unsloth_checkpoint(...)`: any callee named `checkpoint` or
   `..._checkpoint`; the method may be bound to a local name first, `forward_fn = self._forward`)
-  gets that method compiled: the block's whole body is one graph.
+  gets that method compiled: the block's whole body is one graph. Where torch's non-reentrant
+  checkpoint calls it, that checkpoint is traced into the graph (compile_accel.checkpointing).
+  A block that checkpoints only reentrantly (sd-scripts' U-Nets: `use_reentrant=USE_REENTRANT`,
+  True) gets its forward compiled instead, checkpoint and all, as per-block compile does: a
+  reentrant checkpoint runs its body without grad inside an autograd Function and again in the
+  backward, so the backward recomputes the whole body, where a traced checkpoint lets the
+  partitioner recompute what the backward needs. With CUDA graphs (`reduce-overhead`) the body
+  stays the region: its forward without grad is the graph that replays.
 - any other block gets its compute children compiled, found by the same rules: containers are
   looked into, and so is a child that the block never calls but uses through its children
   (sd-scripts' Flux double block calls `self.img_attn.qkv(...)`, never `self.img_attn(...)`).
@@ -19,6 +26,7 @@ that hold no checkpoint call themselves, so the checkpoint wrapper stays eager:
 from __future__ import annotations
 
 import ast
+import builtins
 import functools
 import inspect
 import textwrap
@@ -26,6 +34,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 from .blocks import BlockList
 
@@ -84,6 +93,40 @@ def _self_attribute(node: ast.AST) -> str | None:
     return None
 
 
+def _is_checkpoint_call(node: ast.AST) -> bool:
+    """A call of something named `checkpoint` or `..._checkpoint` with at least one argument."""
+    if not isinstance(node, ast.Call) or not node.args:
+        return False
+    callee = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+    return callee == "checkpoint" or str(callee).endswith("_checkpoint")
+
+
+def _named_value(node: ast.AST, namespace: dict) -> object:
+    """What a constant, a name or a dotted name (`torch.utils.checkpoint.checkpoint`) is in a
+    function's globals; None for anything else."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name):
+        return namespace.get(node.id, getattr(builtins, node.id, None))
+    if isinstance(node, ast.Attribute):
+        return getattr(_named_value(node.value, namespace), node.attr, None)
+    return None
+
+
+@functools.cache
+def checkpoints_reentrantly(cls: type) -> bool:
+    """Whether every checkpoint call in `cls.forward` is torch.utils.checkpoint.checkpoint with
+    `use_reentrant` true (a constant, or a global of the module that is: sd-scripts' U-Nets)."""
+    tree = _parsed(cls.forward)
+    namespace = getattr(cls.forward, "__globals__", {})
+    calls = [node for node in ast.walk(tree) if _is_checkpoint_call(node)] if tree is not None else []
+    return bool(calls) and all(
+        inspect.unwrap(_named_value(call.func, namespace)) is inspect.unwrap(checkpoint)
+        and any(k.arg == "use_reentrant" and _named_value(k.value, namespace) is True for k in call.keywords)
+        for call in calls
+    )
+
+
 @functools.cache
 def checkpoint_body(cls: type) -> str | None:
     """The method of `cls` that its forward hands to a `checkpoint(...)` (or `..._checkpoint(...)`)
@@ -101,10 +144,7 @@ def checkpoint_body(cls: type) -> str | None:
         if isinstance(target, ast.Name)
     }
     for node in ast.walk(tree):
-        if not isinstance(node, ast.Call) or not node.args:
-            continue
-        callee = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
-        if not (callee == "checkpoint" or str(callee).endswith("_checkpoint")):
+        if not _is_checkpoint_call(node):
             continue
         first = node.args[0]
         candidates = [first, *first.args] if isinstance(first, ast.Call) else [first]
@@ -139,10 +179,12 @@ def _only_reached_into(parent: nn.Module, child_name: str) -> bool:
     return _attribute_uses(type(parent)).get(child_name) is False
 
 
-def compute_regions(name: str, block: nn.Module) -> list[RegionSpec]:
+def compute_regions(name: str, block: nn.Module, cuda_graphs: bool = False) -> list[RegionSpec]:
     """The regions of one block in selective mode (see the module docstring)."""
     body = checkpoint_body(type(block))
     if body is not None:
+        if checkpoints_reentrantly(type(block)) and not cuda_graphs:
+            return [RegionSpec(name, block)]
         return [RegionSpec(name, block, body)]
     regions = []
     for child_name, child in block.named_children():
@@ -153,19 +195,22 @@ def compute_regions(name: str, block: nn.Module) -> list[RegionSpec]:
             or _only_reached_into(block, child_name)
             or checkpoint_body(type(child)) is not None
         ):
-            regions.extend(compute_regions(qualified, child))
+            regions.extend(compute_regions(qualified, child, cuda_graphs))
         elif not isinstance(child, _TRIVIAL) and not _is_lone_builtin_layer(child):
             regions.append(RegionSpec(qualified, child))
     return regions
 
 
-def region_specs(mode: str, block_lists: list[BlockList], exclude: list[str]) -> list[RegionSpec]:
-    """Every region for `mode`, minus the excluded modules."""
+def region_specs(
+    mode: str, block_lists: list[BlockList], exclude: list[str], cuda_graphs: bool = False
+) -> list[RegionSpec]:
+    """Every region for `mode` (`cuda_graphs`: compiled graphs replay as CUDA graphs), minus the
+    excluded modules."""
     blocks = [nb for bl in block_lists for nb in bl.named_blocks()]
     if mode == "blocks":
         regions = [RegionSpec(name, block) for name, block in blocks]
     elif mode == "selective":
-        regions = [region for name, block in blocks for region in compute_regions(name, block)]
+        regions = [region for name, block in blocks for region in compute_regions(name, block, cuda_graphs)]
     else:
         regions = []
     return [region for region in regions if not is_excluded(region.name, exclude)]

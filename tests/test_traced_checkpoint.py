@@ -1,7 +1,9 @@
 """Selective mode traces torch's checkpoint of a block's body into the body's graph
 (compile_accel.checkpointing): the backward recomputes inside the compiled graph, and the eager
 checkpoint around the body has nothing to recompute. A body behind a wrapper of the trainer's
-(sd-scripts' CPU-offload checkpointing) keeps the eager checkpoint."""
+(sd-scripts' CPU-offload checkpointing) keeps the eager checkpoint. A block that checkpoints
+reentrantly (sd-scripts' U-Nets) has its forward compiled, checkpoint and all
+(compile_accel.selective)."""
 
 from __future__ import annotations
 
@@ -15,10 +17,13 @@ from torch.utils.checkpoint import checkpoint
 
 import compile_accel
 from compile_accel import CompileConfig
+from compile_accel.blocks import resolve_block_lists
+from compile_accel.selective import region_specs
 
 TOLERANCE = 1e-5  # float32 on the CPU, aot_eager: the same ops as eager
 WIDTH, HIDDEN = 16, 64
 BLOCKS = 3
+USE_REENTRANT = True  # as sd-scripts' U-Nets pass it
 
 # Per backward graph: the shapes of the tensors its forward saved for it.
 _SAVED: list[list[tuple[int, ...]]] = []
@@ -70,11 +75,25 @@ class _Block(nn.Module):
         return checkpoint(self._forward, x, use_reentrant=False)
 
 
+class _ReentrantBlock(_Block):
+    """sd-scripts' U-Net form: a pass-through wrapper, a reentrant checkpoint."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def create_custom_forward(func):
+            def custom_forward(*inputs):
+                return func(*inputs)
+
+            return custom_forward
+
+        return torch.utils.checkpoint.checkpoint(create_custom_forward(self._forward), x, use_reentrant=USE_REENTRANT)
+
+
 class _Model(nn.Module):
-    def __init__(self, **block: bool) -> None:
+    def __init__(self, reentrant: bool = False, **block: bool) -> None:
         super().__init__()
-        self.embed = nn.Linear(WIDTH, WIDTH).requires_grad_(False)
-        self.blocks = nn.ModuleList([_Block(**block) for _ in range(BLOCKS)])
+        # (trained under a reentrant checkpoint, which gives no gradient to a call whose inputs have none)
+        self.embed = nn.Linear(WIDTH, WIDTH).requires_grad_(reentrant)
+        self.blocks = nn.ModuleList([(_ReentrantBlock if reentrant else _Block)(**block) for _ in range(BLOCKS)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.embed(x)
@@ -145,3 +164,16 @@ def test_a_traced_checkpoint_that_compiles_no_graph_falls_back_to_the_body_alone
     assert stats["fallbacks"] == [] and stats["compiled_regions"] == BLOCKS and stats["unique_graphs"] >= 2
     assert calls[1:] == [2 * BLOCKS] * 2
     acceleration.remove()
+
+
+def test_a_reentrant_checkpoint_is_compiled_with_the_blocks_forward_except_under_cuda_graphs() -> None:
+    """The forward is the region (called once a step: the body is not a region); the graph saves
+    no hidden activation. With CUDA graphs the body stays the region: its forward without grad
+    is the graph that replays."""
+    acceleration, calls = _steps(reentrant=True)
+    assert [region.name for region in acceleration.regions] == [f"blocks.{i}" for i in range(BLOCKS)]
+    assert calls == [BLOCKS] * 3 and not _saves_hidden_activations()
+    acceleration.remove()
+    block_lists = resolve_block_lists(_Model(reentrant=True), ["blocks"])
+    labels = [spec.label for spec in region_specs("selective", block_lists, [], cuda_graphs=True)]
+    assert labels == [f"blocks.{i}._forward" for i in range(BLOCKS)]
