@@ -64,6 +64,21 @@ FAST_COMPILE_SETTINGS: dict[str, Any] = {
 }
 
 
+def cacheable_rng_settings() -> dict[str, Any]:
+    """Inductor settings that let a traced checkpoint's graph be cached on torch 2.11 and 2.12.
+    On CUDA the partitioner wraps a recomputed seeded op (attention: SDPA is tagged
+    nondeterministic_seeded) in `graphsafe_run_with_rng_state`, which those versions do not mark
+    cacheable (torch 2.13 does: its generator state is a runtime input of the compiled graph), so
+    inductor bypassed its cache for the graph, AOTAutograd saved no entry, and the graph never came
+    back from the compile workers (benchmarks/results/h200_gpu_like_rtx4090/README.md). Empty
+    where the op is cacheable already."""
+    op = getattr(torch._prims.rng_prims, "graphsafe_run_with_rng_state", None)
+    if op is None or op.cacheable():
+        return {}
+    marked = torch._inductor.config.unsafe_marked_cacheable_functions
+    return {"unsafe_marked_cacheable_functions": {**marked, f"{op.__module__}.{op.__name__}": torch.__version__}}
+
+
 class RegionNotCompilable(RuntimeError):
     """A region's graph holds something inductor cannot lower well; it runs eager instead."""
 
@@ -239,7 +254,7 @@ class RegionBackend:
         if HAS_EAGER_BACKWARD_KNOB:
             self._aot_settings["force_non_lazy_backward_lowering"] = True
         # Inductor settings patched around every compile of a region, and only there.
-        self._inductor_settings = FAST_COMPILE_SETTINGS if config.fast_compile else {}
+        self._inductor_settings = {**(FAST_COMPILE_SETTINGS if config.fast_compile else {}), **cacheable_rng_settings()}
         # Each graph compiled in a worker process (not auto's traced estimate).
         self.in_workers = config.compile_workers > 0 and estimate is None
         self._config = config

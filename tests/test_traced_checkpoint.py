@@ -17,8 +17,10 @@ from torch.utils.checkpoint import checkpoint
 
 import compile_accel
 from compile_accel import CompileConfig
+from compile_accel.backend import RegionBackend
 from compile_accel.blocks import resolve_block_lists
 from compile_accel.selective import region_specs
+from compile_accel.stats import Stats
 
 TOLERANCE = 1e-5  # float32 on the CPU, aot_eager: the same ops as eager
 WIDTH, HIDDEN = 16, 64
@@ -177,3 +179,15 @@ def test_a_reentrant_checkpoint_is_compiled_with_the_blocks_forward_except_under
     block_lists = resolve_block_lists(_Model(reentrant=True), ["blocks"])
     labels = [spec.label for spec in region_specs("selective", block_lists, [], cuda_graphs=True)]
     assert labels == [f"blocks.{i}._forward" for i in range(BLOCKS)]
+
+
+def test_where_torch_does_not_mark_the_rng_wrapper_cacheable_region_compiles_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.11 and 2.12: a recomputed attention's rng wrapper would keep a traced checkpoint's
+    graph out of the caches (and so out of the compile workers' hands) unless marked, and only
+    around the regions' compiles."""
+    op = torch._prims.rng_prims.graphsafe_run_with_rng_state
+    monkeypatch.setattr(op, "_cacheable", False)
+    backend = RegionBackend(CompileConfig(mode="selective"), None, Stats())
+    with backend._settings():
+        assert op.cacheable()
+    assert not op.cacheable()
