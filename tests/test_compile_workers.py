@@ -289,9 +289,10 @@ def _twins_compiled_in_workers(cache: Path, monkeypatch: pytest.MonkeyPatch) -> 
 def test_graphs_inside_a_trainers_checkpoint_switch_between_steps_not_before_its_recompute(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Selective regions run inside the blocks' non-reentrant checkpoints, which recompute them
-    in the backward and check that they save what the forward saved. Graphs that come back
-    between a step's forward and its backward run uncompiled in that backward too."""
+    """Selective regions run the blocks' non-reentrant checkpoints traced (compile_accel.checkpointing):
+    until a graph is back it runs uncompiled, its checkpoint a real one, which recomputes it in the
+    backward and checks that it saves what the forward saved. Graphs that come back between a
+    step's forward and its backward run uncompiled in that backward too."""
     from torch._inductor.utils import clear_caches
 
     model, params, eager, eager_params = _twins_compiled_in_workers(tmp_path, monkeypatch)
