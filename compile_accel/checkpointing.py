@@ -17,7 +17,8 @@ recomputes in the backward only what the backward needs. Its saved tensors are k
 eager checkpoint around it (`keep_saved_tensors`), which then has nothing to recompute: the
 inputs it holds are the ones the graph saves. A body reached through a wrapper of the trainer's
 (sd-scripts' CPU-offload checkpointing, which moves the inputs to the GPU and the outputs to the
-host; Anima's unsloth offload) or a reentrant checkpoint (SDXL's U-Net) runs as before.
+host; Anima's unsloth offload), a checkpoint with a selective policy (`context_fn`) or a reentrant
+one (SDXL's U-Net: compile_accel.selective compiles its forward instead) runs as before.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from .blocks import BlockList
 
@@ -104,8 +105,13 @@ _TORCH_CHECKPOINT_CODE = inspect.unwrap(checkpoint).__code__
 
 def called_by_torch_checkpoint(caller: FrameType) -> bool:
     """True when `caller` is torch.utils.checkpoint.checkpoint itself running its function
-    non-reentrant, not a wrapper of the trainer's around the function."""
-    return caller.f_code is _TORCH_CHECKPOINT_CODE and under_saved_tensor_checkpoint()
+    non-reentrant, not a wrapper of the trainer's around the function, and without a selective
+    checkpoint policy (`context_fn`), which the traced checkpoint would not keep."""
+    return (
+        caller.f_code is _TORCH_CHECKPOINT_CODE
+        and under_saved_tensor_checkpoint()
+        and caller.f_locals.get("context_fn") is noop_context_fn
+    )
 
 
 def traced_checkpoint(body: Callable) -> Callable:

@@ -13,7 +13,7 @@ import torch.nn as nn
 from conftest import relative_error
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import compile_accel
 from compile_accel import CompileConfig
@@ -52,11 +52,11 @@ class _Block(nn.Module):
     """sd-scripts' checkpoint mixin: `forward` checkpoints `_forward`; `offloaded`: through
     sd-scripts' CPU-offload wrapper, which moves the inputs before calling the body."""
 
-    def __init__(self, offloaded: bool = False, graph_break: bool = False) -> None:
+    def __init__(self, offloaded: bool = False, graph_break: bool = False, policy: bool = False) -> None:
         super().__init__()
         self.up = nn.Linear(WIDTH, HIDDEN)
         self.down = nn.Linear(HIDDEN, WIDTH)
-        self.offloaded, self.graph_break = offloaded, graph_break
+        self.offloaded, self.graph_break, self.policy = offloaded, graph_break, policy
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = torch.tanh(self.up(x))
@@ -74,7 +74,16 @@ class _Block(nn.Module):
                 return custom_forward
 
             return checkpoint(create_custom_forward(self._forward), x, use_reentrant=False)
+        if self.policy:  # a selective checkpoint policy: tanh's output saved, the rest recomputed
+            return checkpoint(self._forward, x, use_reentrant=False, context_fn=_save_tanh)
         return checkpoint(self._forward, x, use_reentrant=False)
+
+
+def _save_tanh() -> tuple:
+    def policy(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.tanh.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 class _ReentrantBlock(_Block):
@@ -147,10 +156,14 @@ def test_torchs_checkpoint_of_the_body_is_traced_and_recomputes_inside_the_graph
     acceleration.remove()
 
 
-def test_a_body_behind_the_trainers_wrapper_keeps_the_eager_checkpoint() -> None:
-    """Called by a wrapper that moves its inputs, the body is compiled alone: the eager
-    checkpoint recomputes it in the backward (two calls a step), its graph saving its activations."""
-    acceleration, calls = _steps(offloaded=True)
+@pytest.mark.parametrize("block", [{"offloaded": True}, {"policy": True}], ids=["wrapper", "policy"])
+def test_a_body_behind_the_trainers_wrapper_or_under_a_checkpoint_policy_keeps_the_eager_checkpoint(
+    block: dict[str, bool],
+) -> None:
+    """Called by a wrapper that moves its inputs, or under a selective checkpoint policy (which a
+    traced checkpoint would drop), the body is compiled alone: the eager checkpoint recomputes it
+    in the backward (two calls a step), its graph saving its activations."""
+    acceleration, calls = _steps(**block)
     assert acceleration.stats()["unique_graphs"] == 1
     assert calls == [2 * BLOCKS] * 3
     assert _saves_hidden_activations()
