@@ -156,16 +156,18 @@ def test_int8_mispredicted_copies_are_replaced_and_results_stay_exact() -> None:
     assert all(torch.allclose(g, e, rtol=1e-6, atol=0) for g, e in zip(grads, expected, strict=True))
 
 
-def test_inner_checkpoint_and_compiled_blocks_stream_without_recompiles() -> None:
-    """The trainer-style checkpoint inside each block's forward, blocks compiled: swapping
-    weights through the slots compiles nothing new after the first step, the regions run
-    compiled, and the gradients match the uncompiled, resident model."""
+@pytest.mark.parametrize("mode", ["blocks", "selective"])
+def test_inner_checkpoint_and_compiled_blocks_stream_without_recompiles(mode: str) -> None:
+    """The trainer-style checkpoint inside each block's forward, traced in the compiled graphs
+    (whole blocks, or the bodies in selective mode): swapping weights through the slots compiles
+    nothing new after the first step, the regions run compiled, and the gradients match the
+    uncompiled, resident model (the backward's recompute runs in the graphs, on streamed weights)."""
     reference, ref_params = build("kohya", "non-reentrant", double_blocks=3, single_blocks=3)
     model, params = build("kohya", "non-reentrant", double_blocks=3, single_blocks=3)
     model.load_state_dict(reference.state_dict())
     for p, q in zip(params, ref_params, strict=True):
         p.data.copy_(q.data)
-    acceleration = compile_accel.apply(model, CompileConfig(mode="blocks", backend="aot_eager"))
+    acceleration = compile_accel.apply(model, CompileConfig(mode=mode, backend="aot_eager"))
     conductor = BlockOffloadConductor(offload_fraction=0.67, device="cpu")
     conductor.attach([model.double_blocks, model.single_blocks])
     inputs = inputs_for(model)
