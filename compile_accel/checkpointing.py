@@ -115,14 +115,16 @@ def called_by_torch_checkpoint(caller: FrameType) -> bool:
 
 
 def traced_checkpoint(body: Callable) -> Callable:
-    """`body` under torch's non-reentrant checkpoint, for dynamo to trace. Named after `body`
-    (compile_accel.precompile keeps graphs by name)."""
+    """`body` under torch's non-reentrant checkpoint, for dynamo to trace. Named after `body`,
+    its code object too: compile_accel.precompile keeps graphs by name, and dynamo names a
+    function by its code's name (with file and line) where it hits the recompile limit."""
 
     def under_checkpoint(*args: Any, **kwargs: Any) -> Any:
         return checkpoint(body, *args, use_reentrant=False, **kwargs)
 
-    under_checkpoint.__module__ = body.__module__
-    under_checkpoint.__qualname__ = f"{body.__qualname__} under its checkpoint"
+    name = f"{body.__qualname__} under its checkpoint"
+    under_checkpoint.__code__ = under_checkpoint.__code__.replace(co_name=name)
+    under_checkpoint.__module__, under_checkpoint.__qualname__ = body.__module__, name
     return under_checkpoint
 
 

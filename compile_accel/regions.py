@@ -310,7 +310,7 @@ def with_own_code(fn: Callable) -> Callable:
     if not isinstance(fn, types.FunctionType):
         return fn
     copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    copy.__kwdefaults__, copy.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+    copy.__kwdefaults__, copy.__qualname__, copy.__module__ = fn.__kwdefaults__, fn.__qualname__, fn.__module__
     copy.__dict__.update(fn.__dict__)
     return copy
 
@@ -462,10 +462,11 @@ class Region:
             and type(self.module) not in traced.failed_kinds
             and called_by_torch_checkpoint(sys._getframe(1))
         ):
+            shared = traced
             with keep_saved_tensors():
                 out = traced.run(self, args, kwargs)
         else:
             out = shared.run(self, args, kwargs)
         if shared.base_linears is not None:
-            shared.check_accuracy(self, args, kwargs)
+            shared.check_accuracy(self, args, kwargs)  # (of the function that ran the call)
         return out

@@ -14,8 +14,11 @@ that hold no checkpoint call themselves, so the checkpoint wrapper stays eager:
   True) gets its forward compiled instead, checkpoint and all, as per-block compile does: a
   reentrant checkpoint runs its body without grad inside an autograd Function and again in the
   backward, so the backward recomputes the whole body, where a traced checkpoint lets the
-  partitioner recompute what the backward needs. With CUDA graphs (`reduce-overhead`) the body
-  stays the region: its forward without grad is the graph that replays.
+  partitioner recompute what the backward needs. Traced, it gives the block's parameters their
+  gradients even where no input requires grad, as a non-reentrant checkpoint does (eager's
+  reentrant one gives none there; sd-scripts marks the U-Net's inputs as requiring grad under
+  checkpointing). With CUDA graphs (`reduce-overhead`) the body stays the region: its forward
+  without grad is the graph that replays.
 - any other block gets its compute children compiled, found by the same rules: containers are
   looked into, and so is a child that the block never calls but uses through its children
   (sd-scripts' Flux double block calls `self.img_attn.qkv(...)`, never `self.img_attn(...)`).

@@ -19,6 +19,7 @@ import compile_accel
 from compile_accel import CompileConfig
 from compile_accel.backend import RegionBackend
 from compile_accel.blocks import resolve_block_lists
+from compile_accel.checkpointing import traced_checkpoint
 from compile_accel.selective import region_specs
 from compile_accel.stats import Stats
 
@@ -204,3 +205,26 @@ def test_where_torch_does_not_mark_the_rng_wrapper_cacheable_region_compiles_do(
     with backend._settings():
         assert op.cacheable()
     assert not op.cacheable()
+
+
+def test_base_compute_checks_the_accuracy_of_the_graph_the_step_runs() -> None:
+    """With 8-bit base matmuls, the accuracy check at the class's first compiled call runs the
+    traced graph, not a graph of the body alone compiled for the check."""
+    model = _Model()
+    model.blocks.requires_grad_(False)  # frozen base Linears; the embedder trains
+    model.embed.requires_grad_(True)
+    config = CompileConfig(mode="selective", backend="aot_eager", base_compute="int8")
+    acceleration = compile_accel.apply(model, config, blocks=["blocks"])
+    for _ in range(3):
+        model(torch.randn(2, 8, WIDTH)).square().mean().backward()
+    stats = acceleration.stats()
+    assert stats["unique_graphs"] == 1 and "_Block" in stats["base_compute"]["accuracy"]
+    acceleration.remove()
+
+
+def test_each_traced_function_is_named_after_its_body_where_dynamo_names_it() -> None:
+    """Dynamo names a function by its code's name, file and line where it hits the recompile
+    limit (compile_accel.stats watches for that line): one body's warning must not be another's."""
+    bodies = (_Block._forward, _ReentrantBlock.forward, _Model.forward)
+    names = {traced_checkpoint(body).__code__.co_name for body in bodies}
+    assert names == {f"{body.__qualname__} under its checkpoint" for body in bodies}
