@@ -143,13 +143,13 @@ class CompiledFunction:
         """Every region of this function and class `kind` runs eager from now on (with its
         checkpoint traced: the body compiled alone, under the eager checkpoint); one warning says so."""
         self.failed_kinds[kind] = reason
-        regions = [r for r in self.regions if self.region_kinds[r] is kind]
         if self.traces_checkpoint:
             warn(
                 f"{self.name} (class {kind.__name__}) could not be compiled with its checkpoint traced: {reason}. "
                 "The body is compiled alone and the checkpoint runs eager (the backward runs the whole body again)"
             )
             return
+        regions = [r for r in self.regions if self.region_kinds[r] is kind]
         self.stats.fallbacks.extend((region, reason) for region in regions)
         warn(
             f"{self.name} (regions {', '.join(regions[:3])}{', ...' if len(regions) > 3 else ''}) "

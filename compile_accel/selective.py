@@ -3,7 +3,7 @@
 mode "blocks": every block's forward.
 
 mode "selective": what runs inside each block's gradient checkpoint, in the largest pieces
-that hold no checkpoint call themselves, so the checkpoint wrapper stays eager:
+that hold no checkpoint call themselves (torch's own checkpoint traced in where it can be):
 - a block whose forward checkpoints a method of its own (kohya sd-scripts:
   `checkpoint(self._forward, ...)`, `checkpoint(create_custom_forward(self.forward_body), ...)`,
   Anima's `torch_checkpoint(...)` and `unsloth_checkpoint(...)`: any callee named `checkpoint` or

@@ -18,8 +18,8 @@ import torch.utils._pytree as pytree
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
-from ..stats import Stats, warn
 from ..checkpointing import keep_saved_tensors
+from ..stats import Stats, warn
 from .packing import compile_packed, in_runtime_state, runtime_state, set_flags
 from .pool import POOL, compiles_here
 

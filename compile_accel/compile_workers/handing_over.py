@@ -14,10 +14,10 @@ from unittest import mock
 
 import torch
 
+from ..checkpointing import keep_saved_tensors
 from ..dynamo_settings import HAS_EAGER_BACKWARD_KNOB
 from ..stats import Stats, warn
 from .graphs import WorkerGraph, compile_packed_here
-from ..checkpointing import keep_saved_tensors
 from .packing import GraphPickler, job, pack_graph, runtime_state
 from .pool import POOL, WorkersExited, compiles_here
 from .worker import cache_env, compile_in_worker, compile_job, precompile_in_worker
