@@ -122,8 +122,8 @@ def _out_of_memory(real_backward):
     return backward
 
 
-PEAKS = {0.0: 1.0, 0.1: 1.5, 0.3: 2.0, 0.5: 2.5, 0.7: 3.0, 1.0: 4.0}
-SECONDS = {0.0: 0.9, 0.1: 0.8, 0.3: 0.7, 0.5: 0.6, 0.7: 0.5, 1.0: 0.4}
+PEAKS = {0.0: 1.0, 0.1: 1.5, 0.3: 2.0, 0.5: 2.5, 0.7: 3.0, 0.8: 3.5, 1.0: 4.0}
+SECONDS = {0.0: 0.9, 0.1: 0.8, 0.3: 0.7, 0.5: 0.6, 0.7: 0.5, 0.8: 0.45, 1.0: 0.4}
 
 
 @pytest.fixture(autouse=True)
@@ -221,17 +221,18 @@ def test_predicted_peaks_are_what_each_budget_saves(monkeypatch) -> None:
         predictions.append(real(run, device, parameters, counts, limit=predictions[0][0.0]))  # only it fits
         predictions.append(real(run, device, parameters, counts, limit=2**62))  # all fit
         predictions.append(real(run, device, parameters, counts, limit=predictions[2][0.5] - 1))  # up to 0.3
+        predictions.append(real(run, device, parameters, counts, limit=predictions[2][0.8] - 1))  # up to 0.7
         raise KeyboardInterrupt  # stop after the predictions
 
     acceleration.auto_budget.predict = predict
     with pytest.warns(RuntimeWarning, match="calibration stopped"), pytest.raises(KeyboardInterrupt):
         lora_step(model, [], inputs)
-    low, traced, top, below_half = predictions
-    assert list(low) == [0.0] and list(traced) == [0.0, 0.5, 0.1] and list(top) == [0.0, 0.5, 0.7, 1.0]
-    assert list(below_half) == [0.0, 0.5, 0.1, 0.3]
-    predicted = {**traced, **top, **below_half}
+    low, traced, top, below_half, below_08 = predictions
+    assert list(low) == [0.0] and list(traced) == [0.0, 0.5, 0.1] and list(top) == [0.0, 0.5, 0.8, 1.0]
+    assert list(below_half) == [0.0, 0.5, 0.1, 0.3] and list(below_08) == [0.0, 0.5, 0.8, 0.7]
+    predicted = {**traced, **top, **below_half, **below_08}
     assert all(p[0.0] == predicted[0.0] for p in predictions) and traced[0.5] == top[0.5]
-    assert partitioned == [0.5, 0.1, 0.7, 1.0, 0.3]  # one graph: each other budget once, when first asked for
+    assert partitioned == [0.5, 0.1, 0.8, 1.0, 0.3, 0.7]  # one graph: each other budget once, when first asked for
     acceleration.remove()
     measured = {}
     for budget in CANDIDATES:
@@ -619,15 +620,37 @@ def test_joint_search_swaps_the_fewest_blocks_that_pay_and_is_cached() -> None:
 
 
 @pytest.mark.parametrize("limit_gib", [6.5, 7.0, 8.0, 9.5, 13.0, 20.0])
-@pytest.mark.parametrize("error_gib", [0.0, -0.7])
+@pytest.mark.parametrize("error_gib", [0.0, -0.7, 0.4])
 def test_predicted_search_chooses_what_timing_every_setting_would(limit_gib: float, error_gib: float) -> None:
     """The search through predicted peaks chooses the exhaustive search's setting (every budget
-    at every rung timed), also when the prediction is too low (a measurement corrects it)."""
+    at every rung timed), also when the prediction is too low (a measurement corrects it) or too
+    high by less than a candidate's step (the next larger one is tried)."""
     training = FakeTraining(limit_gib=limit_gib, error_gib=error_gib)
     training.step()
     result = training.auto.result
     assert (result["offload"], result["budget"]) == _exhaustive_best(limit_gib)
     assert len(training.measured) < len(SWAPS) * len(CANDIDATES) / 3
+
+
+@pytest.mark.parametrize(
+    "limit_gib, slower_at_08, chosen, measured",
+    [
+        (13.6, False, 0.8, [(0, 0.7), (0, 0.8)]),  # 0.8 predicted 13.9 GiB, less 0.7's 0.4 over: 13.5 fits
+        (13.6, True, 0.7, [(0, 0.7), (0, 0.8)]),  # tried, fits, slower: 0.7 stays, nothing more is tried
+        (13.45, False, 0.7, [(0, 0.7)]),  # 13.5 over: 0.8 is not tried
+    ],
+)
+def test_a_budget_under_its_predicted_peak_lets_the_next_larger_be_tried(
+    monkeypatch: pytest.MonkeyPatch, limit_gib: float, slower_at_08: bool, chosen: float, measured: list
+) -> None:
+    """Predictions 0.4 GiB high: 0.7 is the largest predicted to fit (13.4 GiB) and measures 13.0;
+    0.8 is measured where its prediction less that overshoot fits, and taken where it is faster."""
+    if slower_at_08:
+        monkeypatch.setitem(SECONDS, 0.8, SECONDS[0.7] + 0.05)
+    training = FakeTraining(limit_gib=limit_gib, error_gib=0.4)
+    training.step()
+    assert training.measured == measured
+    assert training.auto.result["budget"] == training.budget == chosen and training.auto.result["fits"]
 
 
 def test_joint_search_stays_resident_when_a_budget_fits() -> None:
@@ -706,6 +729,33 @@ def test_with_compile_workers_a_candidate_is_measured_at_the_first_step_after_it
     }
     assert 0 <= result["waited_seconds"] <= result["calibration_seconds"]
     assert json.loads(cache_path().read_text())  # written once chosen
+
+
+def test_with_compile_workers_the_next_larger_budget_is_handed_over_after_one_under_its_prediction() -> None:
+    """Predictions 0.4 GiB high (as test_a_budget_under_its_predicted_peak_...): 0.7 comes back,
+    measures under its prediction, and 0.8 is handed to the workers and measured when back; the
+    choice is a calibration's without workers."""
+    plain = FakeTraining(limit_gib=13.6, error_gib=0.4)
+    plain.step()
+    cache_path().unlink()
+
+    training = FakeTraining(limit_gib=13.6, error_gib=0.4)
+    workers = FakeWorkers(training, steps=2)
+    seen = []
+    for _ in range(6):
+        training.step()
+        workers.step_done()
+        seen.append((training.budget, training.auto.checking, training.auto.result is None))
+    assert seen == [
+        (0.7, 0.7, True),  # predicted, 0.7 handed over
+        (0.7, 0.7, True),
+        (0.8, 0.8, True),  # back: 0.7 measured 0.4 GiB under its prediction, 0.8 handed over
+        (0.8, 0.8, True),
+        (0.8, None, False),  # back: measured, fits, faster: chosen
+        (0.8, None, False),
+    ]
+    assert training.measured == plain.measured == [(0, 0.7), (0, 0.8)]
+    assert training.auto.result["table"] == plain.auto.result["table"] and plain.auto.result["budget"] == 0.8
 
 
 def test_with_cuda_graphs_auto_reads_reserved_peaks_and_never_offloads() -> None:

@@ -16,6 +16,9 @@ mean square of the outputs) at a time:
    its peak read. If it peaks over the limit or runs out of memory, the next smaller one, and
    so on; the lowest candidate is run when nothing is predicted to fit (the predicted
    peaks come from uncompiled code, which may need more than the compiled).
+3. Where the one that fits peaked below its prediction and the next larger candidate's
+   prediction, less that overshoot, fits, that one is compiled and measured too (and so on up
+   while each is the fastest): the fastest measured that fits is taken.
 
 The largest budget that fits is taken as the fastest: it saves more and recomputes less (in the
 bench's medians the step time fell as the budget rose, or stayed within 1%:

@@ -297,8 +297,9 @@ class AutoBudget:
 
     def _measure_rung(self, search: _Search, rung: int, counts: list[Stats]) -> Waiting | None:
         """At one rung of the ladder: the candidates' peaks predicted, then the largest predicted
-        to fit and smaller ones measured until one fits; the lowest candidate when none is
-        predicted to (module docstring). Into `search`; where it waits for the compile workers,
+        to fit and smaller ones measured until one fits (the lowest candidate when none is
+        predicted to), then larger ones where that one peaked under its prediction (module
+        docstring). Into `search`; where it waits for the compile workers,
         what for (called again, it goes on where it stopped)."""
         level = search.levels[rung]
         parameters = [*self.model.parameters()]
@@ -312,17 +313,46 @@ class AutoBudget:
         fitting = [b for b, peak in predicted.items() if peak <= search.limit]
         order = [b for b in reversed(self.candidates) if fitting and b <= max(fitting)] or [self.candidates[0]]
         table = search.tables.setdefault(rung, [])
-        for budget in order:
-            measured = next((m for m in table if m.budget == budget), None) or self._measure_budget(
-                search, level, budget, parameters, counts
-            )
+        while (budget := self._next_budget(search, level, order, table)) is not None:
+            measured = self._measure_budget(search, level, budget, parameters, counts)
             if isinstance(measured, Waiting):
                 return measured
-            if measured not in table:
-                table.append(measured)
+            table.append(measured)
+        return None
+
+    def _next_budget(
+        self, search: _Search, level: float | None, order: list[float], table: list[Measurement]
+    ) -> float | None:
+        """The next budget to measure at `level`: down `order` until one fits, then up
+        (_step_up); None when done."""
+        for budget in order:
+            measured = next((m for m in table if m.budget == budget), None)
+            if measured is None:
+                return budget
             if not measured.out_of_memory and measured.peak_bytes <= search.limit:
                 break
-        return None
+        return self._step_up(search, level, table)
+
+    def _step_up(self, search: _Search, level: float | None, table: list[Measurement]) -> float | None:
+        """The candidate above the largest measured to fit, where that one is the fastest fitting
+        so far and measured below its predicted peak, and the next one's prediction, less the same
+        overshoot, fits: the predictions come from uncompiled code (sd-scripts' SDXL as a 4090:
+        0.7 predicted 21.00 GiB, measured 19.70; 0.8 measured 21.32 and ran 4.7% faster). None
+        where there is nothing to try, or it was measured."""
+        fitting = [m for m in table if not m.out_of_memory and m.peak_bytes <= search.limit]
+        if not fitting:
+            return None
+        top = max(fitting, key=lambda m: m.budget)
+        if top is not min(fitting, key=lambda m: m.seconds):  # going up stopped paying
+            return None
+        above = next((b for b in self.candidates if b > top.budget), None)
+        if above is None or any(m.budget == above for m in table):
+            return None
+        predicted = search.predicted[level]
+        overshoot = predicted.get(top.budget, 0) - top.peak_bytes
+        if overshoot <= 0 or above not in predicted or predicted[above] - overshoot > search.limit:
+            return None
+        return above
 
     def _measure_budget(
         self, search: _Search, level: float | None, budget: float, parameters: list[torch.Tensor], counts: list[Stats]

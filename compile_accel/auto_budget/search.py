@@ -6,7 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-CANDIDATES = (0.0, 0.1, 0.3, 0.5, 0.7, 1.0)
+# 0.8: between 0.7 and 1.0 a model can fit where 1.0 does not and run faster than at 0.7
+# (sd-scripts' SDXL b4 as a 4090: 0.8343 against 0.8758 s/step, 21.32 GiB of 24).
+CANDIDATES = (0.0, 0.1, 0.3, 0.5, 0.7, 0.8, 1.0)
 
 
 @dataclass(frozen=True)
