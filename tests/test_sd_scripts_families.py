@@ -129,12 +129,28 @@ def _hunyuan_image_inputs(one_length: bool = False) -> tuple:
     return latents, torch.rand(2) * 1000, text, mask, torch.randn(2, 4, 1472), torch.zeros(2, 4, dtype=torch.long)
 
 
+def _sdxl() -> torch.nn.Module:
+    import sd_scripts_small_common as common
+    from library import sdxl_original_unet
+    from sd_scripts_small_sdxl import small_factories
+
+    with common.patched(small_factories()):
+        return sdxl_original_unet.SdxlUNet2DConditionModel()
+
+
+def _sdxl_inputs() -> tuple:
+    from sd_scripts_small_sdxl import ADM_IN_CHANNELS, CONTEXT_DIM
+
+    return torch.randn(2, 4, 16, 16), torch.rand(2) * 1000, torch.randn(2, 8, CONTEXT_DIM), torch.randn(2, ADM_IN_CHANNELS)
+
+
 MODELS = {
     "lumina2": (_lumina, _lumina_inputs, "networks.lora_lumina", 1),
     "flux": (_flux, _flux_inputs, "networks.lora_flux", 2),
     "sd3": (_sd3, _sd3_inputs, "networks.lora_sd3", 3),
     "anima": (_anima, _anima_inputs, "networks.lora_anima", 1),
     "hunyuan_image": (_hunyuan_image, _hunyuan_image_inputs, "networks.lora_hunyuan_image", 2),
+    "sdxl": (_sdxl, _sdxl_inputs, "networks.lora", 2),
 }
 
 
@@ -680,7 +696,7 @@ def test_attention_drops_only_marked_masks(monkeypatch: pytest.MonkeyPatch) -> N
     assert passed[0] is None and passed[1].equal(padded.view(2, 1, 1, 6).expand(-1, 3, 6, -1))
 
 
-@pytest.mark.parametrize("name", ["lumina2", "flux", "sd3", "anima", "hunyuan_image"])
+@pytest.mark.parametrize("name", ["lumina2", "flux", "sd3", "anima", "hunyuan_image", "sdxl"])
 def test_int8_base_compute_keeps_each_familys_blocks_and_lora_gradients_within_the_bars(
     sd_scripts: Path, name: str
 ) -> None:
@@ -699,9 +715,11 @@ def test_int8_base_compute_keeps_each_familys_blocks_and_lora_gradients_within_t
     _assert_compiled_cleanly(stats)
     base = stats["base_compute"]
     assert base["in_8_bits"] == base["base_linears"] > 0 and not base["stayed"], base["stayed"]
-    assert base["accuracy"] and all(
-        check["output_error"] <= 0.02 and check["min_gradient_cosine"] >= 0.99 for check in base["accuracy"].values()
-    ), base["accuracy"]
+    checks = base["accuracy"].values()
+    assert any(check["gradients"] for check in checks), base["accuracy"]
+    for check in checks:  # (a class without LoRA, SDXL's ResBlocks and upsamplers, has no gradient to compare)
+        assert check["output_error"] <= 0.02, base["accuracy"]
+        assert check["min_gradient_cosine"] >= 0.99 if check["gradients"] else check["min_gradient_cosine"] is None
     assert relative_error(loss, expected_loss) <= 0.02
     assert len(grads) == len(expected_grads) > 0
     cosines = [
