@@ -193,14 +193,16 @@ def test_calibration_picks_the_fastest_fitting_budget_and_leaves_training_unchan
     assert acceleration.stats()["auto_budget"]["cached"] and acceleration.stats()["auto_budget"]["budget"] == 0.5
 
 
-def test_predicted_peaks_are_what_each_budget_saves(monkeypatch) -> None:
+@pytest.mark.parametrize("base_compute", [None, "int8"])
+def test_predicted_peaks_are_what_each_budget_saves(monkeypatch, base_compute: str | None) -> None:
     """The traced step's prediction for every candidate against the bytes autograd saves in a
     step compiled at that budget (the CPU's peak), on the same batch: within 1% of the largest.
     Budgets are partitioned when first asked for (bisection for the largest predicted to fit),
-    and once."""
+    and once. With int8 base compute the prediction is of the int8 graphs (which save int8
+    activations)."""
     model, _ = _model()
     inputs = inputs_for(model)
-    acceleration = _auto(model, 1.0, [])
+    acceleration = _auto(model, 1.0, [], base_compute=base_compute)
     partitioned: list[float] = []
     real_partition = saved_bytes.partition_saved_bytes
 
@@ -237,11 +239,14 @@ def test_predicted_peaks_are_what_each_budget_saves(monkeypatch) -> None:
     measured = {}
     for budget in CANDIDATES:
         torch._dynamo.reset()
-        compiled = compile_accel.apply(model, CompileConfig(mode="blocks", activation_memory_budget=budget, backend=BACKEND))
+        config = CompileConfig(mode="blocks", activation_memory_budget=budget, backend=BACKEND, base_compute=base_compute)
+        compiled = compile_accel.apply(model, config)
         lora_step(model, [], inputs)  # (its first block runs eager: compile_accel.region_inputs)
         with SavedActivationMeter(model.parameters()) as meter:
             model(*inputs).square().mean()
         measured[budget] = meter.bytes
+        if base_compute:
+            assert compiled.stats()["base_compute"]["in_8_bits"] > 0
         compiled.remove()
     assert measured[1.0] > 2 * measured[0.0]  # the budgets differ enough for this to test something
     for budget in CANDIDATES:

@@ -456,6 +456,34 @@ def test_budgeted_compiled_blocks_stream_without_checkpointing() -> None:
     assert acceleration.stats()["recompiles"] == 0 and acceleration.stats()["unique_graphs"] == 1
 
 
+@pytest.mark.parametrize("offload_dtype", [None, "int8"])
+def test_streamed_blocks_with_int8_base_compute_train_as_resident_ones(offload_dtype: str | None) -> None:
+    """Compiled blocks with their base matmuls in int8 while the conductor streams half of them
+    (as they are, or stored in int8 and dequantized into the slots): every step as the same
+    blocks resident with int8 compute (on the int8-rounded weights where streamed in int8), every
+    base Linear in 8 bits, no eager call of a non-resident block, no recompile."""
+    resident = Stack(n=6)
+    model = copy_of(resident)
+    config = CompileConfig(mode="blocks", activation_memory_budget=0.5, backend="aot_eager", base_compute="int8")
+    conductor = BlockOffloadConductor(offload_fraction=0.5, device="cpu", offload_dtype=offload_dtype)
+    conductor.attach(model.blocks)
+    streamed = [block.index for block in conductor.blocks if block.streamed]
+    assert len(streamed) == 3
+    if offload_dtype == "int8":
+        for index in streamed:  # the values their slots receive
+            int8_round_trip_(resident.blocks[index])
+    expected_run = compile_accel.apply(resident, config)
+    acceleration = compile_accel.apply(model, config)
+    step(model, stack_inputs())
+    step(resident, stack_inputs())
+    for _ in range(2):
+        assert_compiled_step_matches(model, resident, stack_inputs())
+    stats = acceleration.stats()
+    assert stats["base_compute"]["in_8_bits"] == stats["base_compute"]["base_linears"] == 12
+    assert stats["eager_nonresident_calls"] == 0 and stats["recompiles"] == 0
+    assert expected_run.stats()["base_compute"]["in_8_bits"] == 12
+
+
 def test_failure_while_moving_weights_puts_the_model_back(monkeypatch) -> None:
     model = Stack(n=4)
     before = _snapshot(model)
