@@ -13,9 +13,10 @@ discard, and the backward runs the whole compiled forward again. Where torch's n
 checkpoint itself calls the body (`checkpoint(self._forward, ...)`: sd-scripts' Flux, SD3,
 Lumina 2, Anima), the region runs `traced_checkpoint(body)` instead, in which dynamo traces the
 checkpoint as it does inside a torch.compile'd block: the partitioner saves the body's inputs and
-recomputes in the backward only what the backward needs. Its saved tensors are kept from the
-eager checkpoint around it (`keep_saved_tensors`), which then has nothing to recompute: the
-inputs it holds are the ones the graph saves. A body reached through a wrapper of the trainer's
+recomputes in the backward only what the backward needs. It runs with the eager checkpoint's
+saved-tensor hooks off (`past_the_checkpoint`), so that checkpoint has nothing to recompute and
+what the graph saves (the inputs it holds) goes where a compiled block's saves go: to an
+activation offloader's hooks, or kept as they are. A body reached through a wrapper of the trainer's
 (sd-scripts' CPU-offload checkpointing, which moves the inputs to the GPU and the outputs to the
 host; Anima's unsloth offload), a checkpoint with a selective policy (`context_fn`) or a reentrant
 one (SDXL's U-Net: compile_accel.selective compiles its forward instead) runs as before.
@@ -23,8 +24,10 @@ one (SDXL's U-Net: compile_accel.selective compiles its forward instead) runs as
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Callable
@@ -126,6 +129,19 @@ def traced_checkpoint(body: Callable) -> Callable:
     under_checkpoint.__code__ = under_checkpoint.__code__.replace(co_name=name)
     under_checkpoint.__module__, under_checkpoint.__qualname__ = body.__module__, name
     return under_checkpoint
+
+
+@contextlib.contextmanager
+def past_the_checkpoint() -> Iterator[None]:
+    """Inside torch's eager checkpoint (under_saved_tensor_checkpoint): its saved-tensor hooks off
+    the stack meanwhile, so that what is saved inside goes to the hooks beneath, as from a
+    checkpoint traced in a compiled block (an activation offloader's, `save_on_cpu`'s, or none)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    torch._C._autograd._pop_saved_tensors_default_hooks()
+    try:
+        yield
+    finally:
+        torch._C._autograd._push_saved_tensors_default_hooks(*hooks)
 
 
 def _kept(tensor: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ from torch.utils.checkpoint import checkpoint
 from .backend import RegionBackend
 from .base_compute import BaseLinears
 from .base_compute_probe import compare_compute
-from .checkpointing import called_by_torch_checkpoint, keep_saved_tensors, traced_checkpoint, under_saved_tensor_checkpoint
+from .checkpointing import called_by_torch_checkpoint, past_the_checkpoint, traced_checkpoint, under_saved_tensor_checkpoint
 from .saved_bytes import SavedBytesEstimate
 from .config import CUDA_GRAPH_MODES, CompileConfig
 from .dynamo_settings import COMPILE_TAKES_RECOMPILE_LIMIT, ensure_thread_settings
@@ -463,7 +463,7 @@ class Region:
             and called_by_torch_checkpoint(sys._getframe(1))
         ):
             shared = traced
-            with keep_saved_tensors():
+            with past_the_checkpoint():
                 out = traced.run(self, args, kwargs)
         else:
             out = shared.run(self, args, kwargs)

@@ -5,6 +5,7 @@ views, outputs the model reads again, retried forwards, other saved-tensor hooks
 from __future__ import annotations
 
 import threading
+import warnings
 
 import pytest
 import torch
@@ -370,6 +371,8 @@ def test_saved_tensor_hooks_are_ended_only_on_their_own_thread(monkeypatch) -> N
     assert top_hooks(False) is None
     conductor.before_block(1, [out, cond])  # block 0's saved activations leave now
     assert conductor.counters["activation_bytes_offloaded"] > 0
+    conductor.after_block(1, [model.blocks[1](out, cond)])
+    assert top_hooks(False) is None  # (nothing left on for the tests after)
 
 
 def test_activation_offload_every_step_and_no_leak_from_forwards_without_backward(monkeypatch) -> None:
@@ -406,3 +409,35 @@ def test_activation_offload_every_step_and_no_leak_from_forwards_without_backwar
     assert all(len(b.offloaded) == 0 for b in conductor._activations.blocks)
     buffers = {b.untyped_storage().data_ptr() for block in conductor._activations.blocks for b in block.free_buffers}
     assert kept[0].untyped_storage().data_ptr() not in buffers and torch.equal(kept[0], values)
+
+
+@pytest.mark.parametrize("mode", ["selective", "blocks"])
+def test_activation_offload_moves_what_a_trainers_checkpoint_traced_in_compiled_code_saves(monkeypatch, mode) -> None:
+    """The trainer's checkpoint inside each block's forward (sd-scripts' way), traced into the
+    compiled graphs (selective: the body's, called by the eager checkpoint; blocks: the whole
+    block's): what those graphs save leaves for the host as a compiled block's saves do, with no
+    warning, and the gradients match a resident eager run. (Eager, such a block keeps its
+    activations, with a warning: the checkpoint is inside its forward.)"""
+    from conftest import build, inputs_for
+
+    monkeypatch.setattr(activations, "MIN_ACTIVATION_BYTES", 0)
+    reference, ref_params = build("kohya", "non-reentrant", double_blocks=3, single_blocks=3)
+    model, params = build("kohya", "non-reentrant", double_blocks=3, single_blocks=3)
+    model.load_state_dict(reference.state_dict())
+    for p, q in zip(params, ref_params, strict=True):
+        p.data.copy_(q.data)
+    budget = 0.0 if mode == "blocks" else None
+    compile_accel.apply(model, CompileConfig(mode=mode, activation_memory_budget=budget, backend="aot_eager"))
+    conductor = BlockOffloadConductor(offload_fraction=0.5, device="cpu", activation_offload=True)
+    conductor.attach([model.double_blocks, model.single_blocks])
+    lora_step(model, params, inputs_for(model))  # (a class's first block runs eager in the first step)
+    before = conductor.counters["activation_bytes_offloaded"]
+    inputs = inputs_for(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        loss, grads = lora_step(model, params, inputs)
+    expected_loss, expected = lora_step(reference, ref_params, inputs)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
+    for g, e in zip(grads, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
+    assert conductor.counters["activation_bytes_offloaded"] > before

@@ -3,9 +3,10 @@ block has started (the tensor's `.data`, so autograd's references stay valid), o
 its own so that it leaves while weights arrive, and comes back, one block ahead, in backward.
 
 What a block keeps: inside a non-reentrant checkpoint, its inputs (for the recompute). Without a
-checkpoint (blocks compiled by compile_accel under an activation memory budget), what its
-compiled regions save, which a saved-tensor hook notes during the forward (the hook returns each
-tensor as it is); parameters, trainable leaves, the block's buffers and tensor attributes, and
+checkpoint around it (blocks compiled by compile_accel under an activation memory budget; a
+trainer's checkpoint inside the block's forward traced into compiled code, selective mode's
+included), what its compiled regions save, which a saved-tensor hook notes during the forward
+(the hook returns each tensor as it is); parameters, trainable leaves, the block's buffers and tensor attributes, and
 its outputs stay. Eager code saves tensors that others may hold (module attributes, a trainer's
 LoRA weights), so an eager block without a checkpoint keeps its activations (with a warning).
 Tensors the next block reads (timestep embedding, rotary tables, its input, nested in tuples
@@ -279,8 +280,9 @@ class ActivationOffload:
         if saving.eager_saves[0] and not saving.saved:
             self._warn_once(
                 "eager",
-                f"block {block.name} runs eager without a checkpoint: activation_offload moves what compiled "
-                "blocks save and the inputs of checkpointed ones, so the activations of such blocks stay on the GPU",
+                f"block {block.name} runs eager without a checkpoint around it: activation_offload moves what "
+                "compiled code saves and the inputs of blocks checkpointed from outside, so its activations stay "
+                "on the GPU (a checkpoint inside its forward: compile it, selective or blocks mode)",
             )
         owned = [*block.module.parameters(), *block.module.buffers()]
         owned += [v for m in block.module.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]
