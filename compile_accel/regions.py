@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from .backend import RegionBackend
+from .backend import RegionBackend, flagged
 from .base_compute import BaseLinears
 from .base_compute_probe import compare_compute
 from .checkpointing import called_by_torch_checkpoint, past_the_checkpoint, traced_checkpoint, under_saved_tensor_checkpoint
@@ -255,7 +255,9 @@ class CompiledFunction:
         more than a compiled call would."""
         if under_saved_tensor_checkpoint():
             return region.eager(*args, **kwargs)
-        return checkpoint(region.eager, *args, use_reentrant=False, **kwargs)
+        # Flagged as the compiled call it stands for: an activation offloader moves what this
+        # checkpoint keeps (the inputs), as it moves what that call saves.
+        return flagged(checkpoint)(region.eager, *args, use_reentrant=False, **kwargs)
 
     def check_accuracy(self, region: Region, args: tuple, kwargs: dict) -> None:
         """base_compute's accuracy check (compile_accel.base_compute_probe) at the first training
