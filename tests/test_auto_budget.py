@@ -763,11 +763,9 @@ def test_with_compile_workers_the_next_larger_budget_is_handed_over_after_one_un
     assert training.auto.result["table"] == plain.auto.result["table"] and plain.auto.result["budget"] == 0.8
 
 
-def test_with_cuda_graphs_auto_reads_reserved_peaks_and_never_offloads() -> None:
-    """CUDA graphs record the weights where they are and keep their memory in pools of their
-    own: with them, the ladder is not climbed even where nothing fits, and every measurement
-    reads reserved memory."""
-    training = FakeTraining(limit_gib=8.0)  # nothing fits resident: without CUDA graphs it swaps 10 blocks
+def _with_cuda_graphs(training: FakeTraining, limit_gib: float) -> list[bool]:
+    """Give `training` an AutoBudget with CUDA graphs on; returns, per measurement, whether it
+    read reserved memory."""
     read = []
 
     def measure(run, device, parameters, reserved: bool = False):
@@ -780,18 +778,37 @@ def test_with_cuda_graphs_auto_reads_reserved_peaks_and_never_offloads() -> None
         training.model,
         training._set_budget,
         Stats(),
-        8.0,
+        limit_gib,
         find_ladder=lambda device: ladder,
         measure=measure,
         cuda_graphs=True,
     )
     training.auto.predict = training._predict
+    return read
+
+
+def test_with_cuda_graphs_auto_reads_reserved_peaks_and_never_offloads() -> None:
+    """CUDA graphs record the weights where they are and keep their memory in pools of their
+    own: with them, the ladder is not climbed even where nothing fits, and every measurement
+    reads reserved memory."""
+    training = FakeTraining(limit_gib=8.0)  # nothing fits resident: without CUDA graphs it swaps 10 blocks
+    read = _with_cuda_graphs(training, 8.0)
     nothing_fits = "no activation memory budget fits 8.00 GiB on this batch; using budget 0.0"
     with pytest.warns(RuntimeWarning, match=nothing_fits):
         training.step()
     assert training.set_levels == [] and training.predicted_levels == [0]
     assert training.measured == [(0, 0.0)] and read == [True]
     assert training.auto.result["offload_name"] is None
+
+
+def test_with_cuda_graphs_auto_does_not_step_up() -> None:
+    """A candidate measured after the one that fits would free the CUDA graphs recorded for it,
+    which the choice may come back to: with CUDA graphs, the largest predicted to fit that fits is
+    kept (test_a_budget_under_its_predicted_peak_... steps up to 0.8 here without them)."""
+    training = FakeTraining(limit_gib=13.6, error_gib=0.4)
+    _with_cuda_graphs(training, 13.6)
+    training.step()
+    assert training.measured == [(0, 0.7)] and training.auto.result["budget"] == 0.7
 
 
 def test_interrupted_calibration_warns_counts_and_runs_again() -> None:

@@ -18,7 +18,8 @@ mean square of the outputs) at a time:
    peaks come from uncompiled code, which may need more than the compiled).
 3. Where the one that fits peaked below its prediction and the next larger candidate's
    prediction, less that overshoot, fits, that one is compiled and measured too (and so on up
-   while each is the fastest): the fastest measured that fits is taken.
+   while each is the fastest and predicted): the fastest measured that fits is taken. Not with
+   CUDA graphs: measuring a candidate frees the graphs recorded for the one before.
 
 The largest budget that fits is taken as the fastest: it saves more and recomputes less (in the
 bench's medians the step time fell as the budget rose, or stayed within 1%:

@@ -338,9 +338,10 @@ class AutoBudget:
         so far and measured below its predicted peak, and the next one's prediction, less the same
         overshoot, fits: the predictions come from uncompiled code (sd-scripts' SDXL as a 4090:
         0.7 predicted 21.00 GiB, measured 19.70; 0.8 measured 21.32 and ran 4.7% faster). None
-        where there is nothing to try, or it was measured."""
+        where there is nothing to try, or it was measured; always with CUDA graphs, whose pools
+        the next candidate's measurement frees (the choice may come back to this one)."""
         fitting = [m for m in table if not m.out_of_memory and m.peak_bytes <= search.limit]
-        if not fitting:
+        if not fitting or self._cuda_graphs:
             return None
         top = max(fitting, key=lambda m: m.budget)
         if top is not min(fitting, key=lambda m: m.seconds):  # going up stopped paying
