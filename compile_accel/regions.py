@@ -35,7 +35,12 @@ from torch.utils.checkpoint import checkpoint
 from .backend import RegionBackend, flagged
 from .base_compute import BaseLinears
 from .base_compute_probe import compare_compute
-from .checkpointing import called_by_torch_checkpoint, past_the_checkpoint, traced_checkpoint, under_saved_tensor_checkpoint
+from .checkpointing import (
+    called_by_torch_checkpoint,
+    past_the_checkpoint,
+    traced_checkpoint,
+    under_saved_tensor_checkpoint,
+)
 from .saved_bytes import SavedBytesEstimate
 from .config import CUDA_GRAPH_MODES, CompileConfig
 from .dynamo_settings import COMPILE_TAKES_RECOMPILE_LIMIT, ensure_thread_settings

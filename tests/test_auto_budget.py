@@ -239,7 +239,9 @@ def test_predicted_peaks_are_what_each_budget_saves(monkeypatch, base_compute: s
     measured = {}
     for budget in CANDIDATES:
         torch._dynamo.reset()
-        config = CompileConfig(mode="blocks", activation_memory_budget=budget, backend=BACKEND, base_compute=base_compute)
+        config = CompileConfig(
+            mode="blocks", activation_memory_budget=budget, backend=BACKEND, base_compute=base_compute
+        )
         compiled = compile_accel.apply(model, config)
         lora_step(model, [], inputs)  # (its first block runs eager: compile_accel.region_inputs)
         with SavedActivationMeter(model.parameters()) as meter:

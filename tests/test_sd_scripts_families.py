@@ -141,7 +141,8 @@ def _sdxl() -> torch.nn.Module:
 def _sdxl_inputs() -> tuple:
     from sd_scripts_small_sdxl import ADM_IN_CHANNELS, CONTEXT_DIM
 
-    return torch.randn(2, 4, 16, 16), torch.rand(2) * 1000, torch.randn(2, 8, CONTEXT_DIM), torch.randn(2, ADM_IN_CHANNELS)
+    latents, timesteps = torch.randn(2, 4, 16, 16), torch.rand(2) * 1000
+    return latents, timesteps, torch.randn(2, 8, CONTEXT_DIM), torch.randn(2, ADM_IN_CHANNELS)
 
 
 MODELS = {

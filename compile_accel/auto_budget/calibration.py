@@ -299,8 +299,8 @@ class AutoBudget:
         """At one rung of the ladder: the candidates' peaks predicted, then the largest predicted
         to fit and smaller ones measured until one fits (the lowest candidate when none is
         predicted to), then larger ones where that one peaked under its prediction (module
-        docstring). Into `search`; where it waits for the compile workers,
-        what for (called again, it goes on where it stopped)."""
+        docstring). Into `search`; where it waits for the compile workers, what for (called
+        again, it goes on where it stopped)."""
         level = search.levels[rung]
         parameters = [*self.model.parameters()]
         if level not in search.predicted:

@@ -6,9 +6,10 @@ What a block keeps: inside a non-reentrant checkpoint, its inputs (for the recom
 checkpoint around it (blocks compiled by compile_accel under an activation memory budget; a
 trainer's checkpoint inside the block's forward traced into compiled code, selective mode's
 included), what its compiled regions save, which a saved-tensor hook notes during the forward
-(the hook returns each tensor as it is); parameters, trainable leaves, the block's buffers and tensor attributes, and
-its outputs stay. Eager code saves tensors that others may hold (module attributes, a trainer's
-LoRA weights), so an eager block without a checkpoint keeps its activations (with a warning).
+(the hook returns each tensor as it is); parameters, trainable leaves, the block's buffers and
+tensor attributes, and its outputs stay. Eager code saves tensors that others may hold (module
+attributes, a trainer's LoRA weights), so an eager block without a checkpoint keeps its
+activations (with a warning).
 Tensors the next block reads (timestep embedding, rotary tables, its input, nested in tuples
 too) stay.
 
