@@ -61,6 +61,8 @@ CUDA_SIZE_MULTIPLE = {"int8": 8, "fp8": 16}
 # of 4 x rows multiply-adds at the bf16 rate less the int8 rate: at 24 SMs of an H200 (163 TFLOP/s
 # bf16, twice that in int8, 1.2-1.7 TB/s) that pays from ~700 rows. A DiT's modulation Linears
 # (rows = batch, a third of SD3's base weights) and the text projections of cross-attention stay.
+# The same holds for a weight stored as float8_e4m3fn (`--fp8_base`), which fp8 compute need not
+# quantize: with no threshold for them, or one of 256 rows, Flux-dev's step at 24 SMs was 2-3% slower.
 CUDA_MIN_ROWS = 1024
 
 
@@ -216,7 +218,8 @@ class BaseLinears:
     layers: dict[str, tuple[type, str, nn.Linear]] = field(default_factory=dict)  # name -> (class, path, layer)
     roles: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)  # weight -> (class, path)
     outcomes: dict[tuple, set[str]] = field(default_factory=dict)  # layer key -> IN_8_BITS and the reasons not
-    # region class name -> compile_accel.base_compute_probe.compare_compute's result
+    # region class name -> the worst of compile_accel.base_compute_probe.compare_compute's results
+    # (one per input shapes), with "checks": how many
     accuracy: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
@@ -235,10 +238,29 @@ class BaseLinears:
         key = _layer_key(*self.roles[weight], weight, bias)
         self.outcomes.setdefault(key, set()).add(outcome)
 
+    def add_accuracy(self, name: str, result: dict[str, Any]) -> None:
+        """Fold one accuracy check of region class `name` into its figures: the largest output
+        error, the lowest gradient cosine, the gradients compared in all; a skipped check counts
+        only where no check ran."""
+        kept = self.accuracy.get(name)
+        if kept is None or "skipped" in kept:
+            self.accuracy[name] = {**result, "checks": 1}
+            return
+        if "skipped" in result:
+            return
+        cosines = [c for c in (kept["min_gradient_cosine"], result["min_gradient_cosine"]) if c is not None]
+        self.accuracy[name] = {
+            "output_error": max(kept["output_error"], result["output_error"]),
+            "min_gradient_cosine": min(cosines, default=None),
+            "gradients": kept["gradients"] + result["gradients"],
+            "checks": kept["checks"] + 1,
+        }
+
     def summary(self) -> dict[str, Any]:
         """`compute`, `base_linears` (how many), `in_8_bits` (how many a compiled graph runs in 8
         bits), `stayed` (layer name -> why it runs in its own dtype) and
-        `accuracy` (region class -> its first training call's comparison with its own dtype). A layer
+        `accuracy` (region class -> its first training calls' comparison with its own dtype, one per
+        input shapes, the worst figures kept). A layer
         whose class has graphs of both kinds counts in `in_8_bits` and is in `stayed` as well."""
         stayed, in_8_bits = {}, 0
         for name, (kind, path, layer) in self.layers.items():

@@ -11,6 +11,7 @@ and the model's checkpoint, if any, sees none of their saved tensors.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Callable
 
@@ -39,9 +40,11 @@ def compare_compute(
     of `compute`."""
     devices = {t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
     try:
-        # A checkpoint's saved-tensor hooks, active around this call, must not see these runs' tensors.
+        # A checkpoint's saved-tensor hooks, active around this call, must not see these runs'
+        # tensors; where none are, the runs keep the call's own context (so its graph).
+        hooked = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
         with torch.random.fork_rng([d for d in devices if d.type == "cuda"]), torch.enable_grad():
-            with keep_saved_tensors():
+            with keep_saved_tensors() if hooked else contextlib.nullcontext():
                 expected, expected_gradients = _output_and_gradients(eager, args, kwargs, None)
                 output, gradients = _output_and_gradients(compiled, args, kwargs, list(expected_gradients))
     except torch.OutOfMemoryError:
@@ -96,11 +99,11 @@ def _output_and_gradients(
 
 
 def _copy(value: Any) -> Any:
-    """An input as a region gets it in training: floating tensors requiring grad."""
+    """A copy of an input as the call got it, requiring grad where it did: the compiled run takes
+    the graph the call took (another requires_grad would compile another)."""
     if not isinstance(value, torch.Tensor):
         return value
-    copy = value.detach().clone()
-    return copy.requires_grad_(True) if copy.is_floating_point() else copy
+    return value.detach().clone().requires_grad_(value.requires_grad)
 
 
 def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -30,6 +30,7 @@ from typing import Any, Callable, NoReturn
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 from .backend import RegionBackend, flagged
@@ -89,7 +90,10 @@ class CompiledFunction:
         # (module class, grad mode) pairs dynamo has compiled a graph for. The first call in a new
         # pair is checked for compiling none; dynamo guards both, so that call must compile one.
         self.compiled_contexts: set[tuple[type, bool]] = set()
-        self.accuracy_checked: set[type] = set()  # classes base_compute's accuracy check has run for
+        # (class, input shapes) pairs base_compute's accuracy check has run for: a class's calls of
+        # other sizes run other graphs, with other Linears in 8 bits (Lumina 2's text refiners, of
+        # its main blocks' class, have too few rows for any).
+        self.accuracy_checked: set[tuple[type, tuple]] = set()
         self.shared_inputs = SharedInputs()  # each class's conditioning inputs (compile_accel.region_inputs)
         self._warned_checkpoint = False
         self.precompiled = Precompiled(self.fn)
@@ -266,22 +270,23 @@ class CompiledFunction:
 
     def check_accuracy(self, region: Region, args: tuple, kwargs: dict) -> None:
         """base_compute's accuracy check (compile_accel.base_compute_probe) at the first training
-        call of `region`'s class that runs compiled: after auto's traced step, not inside another
-        compile."""
+        call of `region`'s class with inputs of these shapes that runs compiled: after auto's
+        traced step, not inside another compile."""
         kind = type(region.module)
+        key = (kind, tuple(tuple(t.shape) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)))
         if (
             self.shared_inputs.ran_eager(region.module)  # (this call: not compiled)
-            or kind in self.accuracy_checked
+            or key in self.accuracy_checked
             or kind in self.failed_kinds
             or not (region.module.training and torch.is_grad_enabled())
             or self.backend.estimating
             or torch.compiler.is_compiling()
         ):
             return
-        self.accuracy_checked.add(kind)
+        self.accuracy_checked.add(key)
         compiled = lambda *a, **k: self.run(region, a, k)  # noqa: E731
         result = compare_compute(self.base_linears.compute, kind.__qualname__, compiled, region.eager, args, kwargs)
-        self.base_linears.accuracy[kind.__qualname__] = result
+        self.base_linears.add_accuracy(kind.__qualname__, result)
 
     def precompile_budget(self) -> float | None | bool:
         """The budget graphs compiled now are precompiled for (compile_accel.precompile); False

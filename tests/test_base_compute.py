@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import ONE_BLOCK_CLASS, build, lora_step, relative_error
+from conftest import ONE_BLOCK_CLASS, build, inputs_for, lora_step, relative_error
 from torch.utils.checkpoint import checkpoint
 
 import compile_accel
@@ -304,7 +304,7 @@ def test_the_first_training_call_of_a_class_compares_it_with_its_own_dtype_and_l
     monkeypatch.setitem(base_compute_probe.MAX_OUTPUT_ERROR, "int8", 1e-9)  # every block past the bar
     config = CompileConfig(mode="blocks", base_compute="int8", backend="aot_eager")  # (as in the peft test)
     with monkeypatch.context() as unchecked:
-        unchecked.setattr(regions, "compare_compute", lambda *args: None)
+        unchecked.setattr(regions, "compare_compute", lambda *args: {"skipped": "left out here"})
         twin_acceleration = compile_accel.apply(twin, config, blocks=["blocks"])
         _, unchecked_grads = lora_step(twin, twin_params, (x,))
         twin_acceleration.remove()
@@ -324,40 +324,129 @@ def test_the_first_training_call_of_a_class_compares_it_with_its_own_dtype_and_l
     acceleration.remove()
 
 
-def test_a_lora_trained_in_int8_reaches_the_loss_it_reaches_in_its_own_dtype() -> None:
+def test_the_accuracy_check_runs_for_each_input_shape_of_a_class_and_keeps_the_worst(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A class's calls of other sizes run other graphs, where other Linears may stay in their dtype
+    (on CUDA, Lumina 2's text refiners, of its main blocks' class, have too few rows for any): the
+    check runs at the first compiled call of each input shape, and the class keeps the worst
+    figures; a skipped check counts only where none ran."""
+    from compile_accel import regions
+
+    results = iter(
+        [
+            {"skipped": "out of GPU memory"},
+            {"output_error": 0.001, "min_gradient_cosine": 0.98, "gradients": 2},
+            {"output_error": 0.01, "min_gradient_cosine": 0.999, "gradients": 3},
+            {"skipped": "out of GPU memory"},
+        ]
+    )
+    checked = []
+
+    def check(compute: str, name: str, compiled, eager, args: tuple, kwargs: dict) -> dict:
+        checked.append(tuple(args[0].shape))
+        return next(results)
+
+    monkeypatch.setattr(regions, "compare_compute", check)
+    model, params = _peft_mlp(_MLPBlock)
+    config = CompileConfig(mode="blocks", base_compute="int8", backend="aot_eager")  # (as in the peft test)
+    acceleration = compile_accel.apply(model, config, blocks=["blocks"])
+    shapes = [(2, 24, 32), (1, 40, 32), (3, 8, 32), (4, 4, 32)]
+    for shape in [shape for shape in shapes for _ in range(2)]:
+        lora_step(model, params, (torch.randn(shape),))
+    assert checked == shapes
+    expected = {"output_error": 0.01, "min_gradient_cosine": 0.98, "gradients": 5, "checks": 2}
+    assert acceleration.stats()["base_compute"]["accuracy"] == {"_MLPBlock": expected}
+    acceleration.remove()
+
+
+def test_the_accuracy_check_compiles_no_graph_of_its_own() -> None:
+    """The check's compiled run gets copies of the call's inputs requiring grad where the call's
+    did (the conditioning does not), so it takes the graph the call took: one per block class.
+    (Copies that all required grad compiled one more graph per class.)"""
+    torch.manual_seed(torch.seed())
+    model, params = build("kohya", None)
+    config = CompileConfig(mode="blocks", base_compute="int8", backend="aot_eager")  # (as in the peft test)
+    acceleration = compile_accel.apply(model, config)
+    inputs = inputs_for(model)
+    for _ in range(2):
+        lora_step(model, params, inputs)
+    stats = acceleration.stats()
+    assert sorted(stats["base_compute"]["accuracy"]) == ["DoubleStreamBlock", "SingleStreamBlock"]
+    assert (stats["unique_graphs"], stats["recompiles"]) == (2, 0)
+    acceleration.remove()
+
+
+class _WideMLPBlock(_MLPBlock):
+    """_MLPBlock at sizes 8-bit matmuls gain on, for the GPU."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        self.fc1, self.fc2 = nn.Linear(256, 1024), nn.Linear(1024, 256)
+
+
+def _needs(device: str, compute: str) -> list[pytest.MarkDecorator]:
+    """The marks of a test on `device` with `compute`: on CUDA, a GPU that runs it."""
+    if device == "cpu":
+        return []
+    minimum = base_compute.MIN_CUDA_CAPABILITY[compute]
+    runs = torch.cuda.is_available() and torch.cuda.get_device_capability() >= minimum
+    return [pytest.mark.gpu, pytest.mark.skipif(not runs, reason=f"needs a CUDA GPU of capability {minimum} or newer")]
+
+
+# (device, compute, the block, target noise): on the CPU int8 on the small block. fp8's products are
+# ~3.5% off; on the small block its own noise, near that toy's floor, ended it 21% above its own
+# dtype: the issue asks fp8's bar on the GPU.
+TEACHER_CASES = [
+    pytest.param("cpu", "int8", _MLPBlock, 0.05, id="cpu-int8"),
+    *(pytest.param("cuda", c, _WideMLPBlock, 0.1, id=f"cuda-{c}", marks=_needs("cuda", c)) for c in ("int8", "fp8")),
+]
+
+
+@pytest.mark.parametrize("device, compute, block, noise", TEACHER_CASES)
+def test_a_lora_trained_in_8_bits_reaches_the_loss_it_reaches_in_its_own_dtype(
+    device: str, compute: str, block: type[_MLPBlock], noise: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Teacher-student (the issue's bar: final loss within 10% of the model's own dtype's): the
     teacher is the frozen base plus a known rank-4 delta on every Linear, the targets carry noise
     as a diffusion loss does (its variance is the floor a perfect student reaches), each step a
     fresh batch. Both students must learn the delta (from over 10x the floor to under 1.2x) and
-    end within 10% of each other. (fp8, whose products are ~3.5% off, ended 21% above its own
-    dtype here: its error is a noise of its own, near this toy's floor; the issue asks fp8's on
-    the GPU.)"""
+    end within 10% of each other. On CUDA under bf16 autocast, compiled with inductor, every call
+    in 8 bits (no row threshold)."""
+    monkeypatch.setattr(base_compute, "CUDA_MIN_ROWS", 0)
     torch.manual_seed(torch.seed())
-    teacher, _ = _peft_mlp(_MLPBlock)
-    noise = 0.05
+    teacher, _ = _peft_mlp(block)
+    teacher.to(device)
+    width = teacher.blocks[0].fc1.in_features
     with torch.no_grad():
         for layer in (m for m in teacher.modules() if isinstance(m, nn.Linear) and m.weight.shape[0] > 4):
-            layer.weight += 0.2 * torch.randn(layer.weight.shape[0], 4) @ torch.randn(4, layer.weight.shape[1]) / 8
+            rows, columns = layer.weight.shape
+            # (an output moved by ~0.28 of its input's scale, at any width)
+            delta = torch.randn(rows, 4, device=device) @ torch.randn(4, columns, device=device)
+            layer.weight += delta * 0.14 / columns**0.5
 
     def final_loss(compute: str | None) -> tuple[float, float]:
         torch.manual_seed(1)  # the same student, data and noise for both
-        student, params = _peft_mlp(_MLPBlock)
+        student, params = _peft_mlp(block)
+        student.to(device)
         student.load_state_dict({k: v for k, v in teacher.state_dict().items() if "lora" not in k}, strict=False)
         for name, p in student.named_parameters():
             if "lora_B" in name:
                 nn.init.zeros_(p)  # the student starts at the base
         if compute is not None:
-            config = CompileConfig(mode="blocks", base_compute=compute, backend="aot_eager")
+            backend = "aot_eager" if device == "cpu" else "inductor"  # (the CPU: as in the peft test)
+            config = CompileConfig(mode="blocks", base_compute=compute, backend=backend)
             compile_accel.apply(student, config, blocks=["blocks"])
-        steps = 300
+        steps = 500
         optimizer = torch.optim.Adam(params, lr=2e-2)
         decay = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / steps)
         losses = []
         for _ in range(steps):
-            x = torch.randn(64, 32)
+            x = torch.randn(64, width, device=device)
             with torch.no_grad():
-                target = teacher(x) + noise * torch.randn(64, 32)
-            loss = (student(x) - target).square().mean()
+                target = teacher(x) + noise * torch.randn(64, width, device=device)
+            with torch.autocast(device, torch.bfloat16, enabled=device == "cuda"):
+                loss = (student(x).float() - target).square().mean()
             loss.backward()
             optimizer.step()
             decay.step()
@@ -367,7 +456,7 @@ def test_a_lora_trained_in_int8_reaches_the_loss_it_reaches_in_its_own_dtype() -
 
     floor = noise**2
     start, own = final_loss(None)
-    _, in_8_bits = final_loss("int8")
+    _, in_8_bits = final_loss(compute)
     assert start > 10 * floor
     assert own < 1.2 * floor and in_8_bits < 1.2 * floor, (own, in_8_bits, floor)
     assert abs(in_8_bits - own) <= 0.1 * own, (in_8_bits, own)
