@@ -18,7 +18,7 @@ from .saved_bytes import SavedBytesEstimate
 from .blocks import BlockList, resolve_block_lists
 from . import compile_workers
 from .backend import start_compile_workers
-from .base_compute import BaseLinears, base_compute_refusal
+from .base_compute import BaseLinears, base_compute_advice, base_compute_refusal
 from .compile_profile import CompileClock, CompileTimes
 from .config import CUDA_GRAPH_MODES, CompileConfig
 from .offload import offload_fraction_ladder
@@ -232,11 +232,13 @@ def apply_adapter(
             "(on a CPU the limit applies to the bytes saved for backward)"
         )
     block_lists = resolve_block_lists(model, adapter.block_paths(model) if adapter else blocks)
-    refusal = base_compute_refusal(
-        config.base_compute, {p.device for block_list in block_lists for p in block_list.blocks.parameters()}
-    )
+    devices = {p.device for block_list in block_lists for p in block_list.blocks.parameters()}
+    refusal = base_compute_refusal(config.base_compute, devices)
     if refusal:
         raise ValueError(f"CompileConfig.{refusal}")
+    advice = base_compute_advice(config.base_compute, devices)
+    if advice:
+        warn(advice)
 
     # Everything above only looked; from here on the model changes, the adapter's rewrite first:
     # the regions are found in the rewritten model.

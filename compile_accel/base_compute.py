@@ -87,6 +87,28 @@ def base_compute_refusal(compute: str | None, devices: set[torch.device]) -> str
     return None
 
 
+# Compute capabilities whose GPUs multiply int8 at fp8's rate, not faster, so that int8's costlier
+# quantization (rounding and clamping in fp32) makes it the slower of the two: Hopper. On an H200,
+# capped at 24 GiB: fp8 1.125x and 1.055x bf16 on Flux-dev and Lumina 2, int8 0.996x and 0.929x
+# (benchmarks/results/h200_full_8bit). Ada and Ampere cards multiply int8 at 2-4x fp8's or bf16's.
+INT8_AT_FP8_RATE = {(9, 0)}
+
+
+def base_compute_advice(compute: str | None, devices: set[torch.device]) -> str | None:
+    """What to use instead of `compute` on the base weights' `devices` where another 8-bit format
+    was measured faster, or None; apply() warns with it."""
+    if compute != "int8":
+        return None
+    for device in devices:
+        if device.type == "cuda" and torch.cuda.get_device_capability(device) in INT8_AT_FP8_RATE:
+            return (
+                f"base_compute='int8' on {torch.cuda.get_device_name(device)}: this GPU multiplies int8 at fp8's "
+                "rate and int8 quantizes at more cost; use base_compute='fp8' (on an H200 fp8 made Flux-dev's "
+                "step 1.125x bf16's, int8 0.996x)"
+            )
+    return None
+
+
 def _int8_rows(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`values` as rows of their last dimension, quantized per row to int8."""
     return quantize_int8(values.reshape(-1, values.shape[-1]))

@@ -102,6 +102,37 @@ def test_gpus_without_the_matmuls_are_refused(
     assert base_compute.base_compute_refusal(compute, {torch.device("cuda", 0)}) == refusal
 
 
+@pytest.mark.parametrize(
+    "compute, device, capability, advised",
+    [
+        ("int8", "cuda", (9, 0), True),
+        ("fp8", "cuda", (9, 0), False),
+        ("int8", "cuda", (8, 9), False),
+        ("int8", "cpu", None, False),
+    ],
+)
+def test_int8_on_a_gpu_that_runs_it_at_fp8s_rate_is_advised_against(
+    compute: str, device: str, capability: tuple[int, int] | None, advised: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hopper multiplies int8 at fp8's rate (measured: int8 the slower): apply() warns to use fp8
+    and goes on; Ada (int8 at twice fp8's rate) and CPUs get no advice."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H200")
+    advice = base_compute.base_compute_advice(compute, {torch.device(device)})
+    assert (advice is not None) == advised
+    if advised:
+        assert advice.startswith("base_compute='int8' on NVIDIA H200") and "use base_compute='fp8'" in advice
+        from compile_accel import api
+
+        monkeypatch.setattr(api, "base_compute_advice", lambda compute, devices: advice)
+        model, _ = _peft_mlp(_MLPBlock)
+        config = CompileConfig(mode="blocks", base_compute="int8")
+        with pytest.warns(RuntimeWarning, match="use base_compute='fp8'"):
+            acceleration = compile_accel.apply(model, config, blocks=["blocks"])
+        assert acceleration.stats()["regions"] == 2
+        acceleration.remove()
+
+
 def _fake(*shape: int, device: str = "cuda", dynamic: bool = False) -> torch.Tensor:
     """A tensor as dynamo traces it (no GPU needed); its sizes symbolic when `dynamic`."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
