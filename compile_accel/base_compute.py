@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import inspect
+import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -262,18 +263,18 @@ class BaseLinears:
 
     def add_accuracy(self, name: str, result: dict[str, Any]) -> None:
         """Fold one accuracy check of region class `name` into its figures: the largest output
-        error, the lowest gradient cosine, the gradients compared in all; a skipped check counts
-        only where no check ran."""
+        error, the lowest gradient cosine (NaN the worst of both), the gradients compared and the
+        checks run in all; a skipped check is kept only where no check ran."""
         kept = self.accuracy.get(name)
         if kept is None or "skipped" in kept:
-            self.accuracy[name] = {**result, "checks": 1}
+            self.accuracy[name] = result if "skipped" in result else {**result, "checks": 1}
             return
         if "skipped" in result:
             return
         cosines = [c for c in (kept["min_gradient_cosine"], result["min_gradient_cosine"]) if c is not None]
         self.accuracy[name] = {
-            "output_error": max(kept["output_error"], result["output_error"]),
-            "min_gradient_cosine": min(cosines, default=None),
+            "output_error": _worst([kept["output_error"], result["output_error"]], larger_is_worse=True),
+            "min_gradient_cosine": _worst(cosines, larger_is_worse=False),
             "gradients": kept["gradients"] + result["gradients"],
             "checks": kept["checks"] + 1,
         }
@@ -300,6 +301,13 @@ class BaseLinears:
             "stayed": stayed,
             "accuracy": dict(self.accuracy),
         }
+
+
+def _worst(values: list[float], larger_is_worse: bool) -> float | None:
+    """The worst of `values`, NaN the worst of all; None for none."""
+    if any(math.isnan(value) for value in values):
+        return math.nan
+    return (max if larger_is_worse else min)(values, default=None)
 
 
 def _layer_key(kind: type, path: str, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:

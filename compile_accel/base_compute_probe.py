@@ -11,7 +11,6 @@ and the model's checkpoint, if any, sees none of their saved tensors.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Any, Callable
 
@@ -40,11 +39,9 @@ def compare_compute(
     of `compute`."""
     devices = {t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
     try:
-        # A checkpoint's saved-tensor hooks, active around this call, must not see these runs'
-        # tensors; where none are, the runs keep the call's own context (so its graph).
-        hooked = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+        # A checkpoint's saved-tensor hooks, active around this call, must not see these runs' tensors.
         with torch.random.fork_rng([d for d in devices if d.type == "cuda"]), torch.enable_grad():
-            with keep_saved_tensors() if hooked else contextlib.nullcontext():
+            with keep_saved_tensors():
                 expected, expected_gradients = _output_and_gradients(eager, args, kwargs, None)
                 output, gradients = _output_and_gradients(compiled, args, kwargs, list(expected_gradients))
     except torch.OutOfMemoryError:
@@ -66,7 +63,8 @@ def compare_compute(
         100 * error,
         "(no nonzero gradient)" if cosine is None else f">= {cosine:.5f} ({len(cosines)})",
     )
-    if error > MAX_OUTPUT_ERROR[compute] or (cosine is not None and cosine < MIN_GRADIENT_COSINE):
+    # (written so that NaN fails)
+    if not error <= MAX_OUTPUT_ERROR[compute] or (cosine is not None and not cosine >= MIN_GRADIENT_COSINE):
         warn(
             f"base_compute={compute!r}: {name}'s output is {100 * error:.2f}% off its own dtype's (bar "
             f"{100 * MAX_OUTPUT_ERROR[compute]:g}%) and its LoRA gradients' cosine similarity is {cosine} "
@@ -82,7 +80,7 @@ def _output_and_gradients(
     """The floating outputs of `call` on fresh copies of the inputs, and the gradients of
     `parameters` (None: the trainable ones the outputs reach) for an output gradient drawn
     from a fixed seed."""
-    args, kwargs = tree_map(_copy, (args, kwargs))
+    args, kwargs = _copies((args, kwargs))
     outputs = [t for t in tree_flatten(call(*args, **kwargs))[0] if isinstance(t, torch.Tensor)]
     outputs = [t for t in outputs if t.is_floating_point()]
     if parameters is None:
@@ -98,12 +96,25 @@ def _output_and_gradients(
     return [t.detach() for t in outputs], dict(zip(parameters, gradients))
 
 
-def _copy(value: Any) -> Any:
-    """A copy of an input as the call got it, requiring grad where it did: the compiled run takes
-    the graph the call took (another requires_grad would compile another)."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    return value.detach().clone().requires_grad_(value.requires_grad)
+def _copies(inputs: Any) -> Any:
+    """Copies of the tensors of `inputs` as the call got them: each storage copied once and each
+    tensor the same view of its copy (sizes, strides, offset; inputs that share memory share it),
+    requiring grad where it did. So the compiled run takes the graph the call took: dynamo guards
+    strides and requires_grad (a broadcast mask of stride 0, copied dense, compiled another)."""
+    storages: dict[tuple[torch.device, int], torch.UntypedStorage] = {}
+
+    def copy(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        storage = value.untyped_storage()
+        key = (value.device, storage.data_ptr())
+        if key not in storages:
+            storages[key] = storage.clone()
+        view = torch.empty(0, dtype=value.dtype, device=value.device)
+        view.set_(storages[key], value.storage_offset(), value.size(), value.stride())
+        return view.requires_grad_(value.requires_grad)
+
+    return tree_map(copy, inputs)
 
 
 def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -53,6 +53,11 @@ from .stats import RECOMPILE_LIMIT_WATCHER, Stats, graph_break_total, warn
 
 logger = logging.getLogger("compile_accel")
 
+# Input shapes base_compute's accuracy check runs for per region class: the first step's kinds of
+# call (Lumina 2 has three in one class) and one more; later buckets mostly run the same graphs
+# (dynamic shapes), and each check costs one more forward and backward of a block.
+ACCURACY_CHECKS_PER_CLASS = 4
+
 # A call's signature as dynamo guards it: the number of positional arguments and the keywords.
 CallSignature = tuple[int, tuple[str, ...]]
 
@@ -91,8 +96,8 @@ class CompiledFunction:
         # pair is checked for compiling none; dynamo guards both, so that call must compile one.
         self.compiled_contexts: set[tuple[type, bool]] = set()
         # (class, input shapes) pairs base_compute's accuracy check has run for: a class's calls of
-        # other sizes run other graphs, with other Linears in 8 bits (Lumina 2's text refiners, of
-        # its main blocks' class, have too few rows for any).
+        # other sizes can run other graphs, with other Linears in 8 bits (Lumina 2's text refiners,
+        # of its main blocks' class, have too few rows for any). At most ACCURACY_CHECKS_PER_CLASS.
         self.accuracy_checked: set[tuple[type, tuple]] = set()
         self.shared_inputs = SharedInputs()  # each class's conditioning inputs (compile_accel.region_inputs)
         self._warned_checkpoint = False
@@ -273,17 +278,19 @@ class CompiledFunction:
         call of `region`'s class with inputs of these shapes that runs compiled: after auto's
         traced step, not inside another compile."""
         kind = type(region.module)
-        key = (kind, tuple(tuple(t.shape) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)))
         if (
             self.shared_inputs.ran_eager(region.module)  # (this call: not compiled)
-            or key in self.accuracy_checked
             or kind in self.failed_kinds
             or not (region.module.training and torch.is_grad_enabled())
             or self.backend.estimating
             or torch.compiler.is_compiling()
         ):
             return
-        self.accuracy_checked.add(key)
+        shapes = tuple(tuple(t.shape) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))
+        checked = [key for key in self.accuracy_checked if key[0] is kind]
+        if (kind, shapes) in self.accuracy_checked or len(checked) >= ACCURACY_CHECKS_PER_CLASS:
+            return
+        self.accuracy_checked.add((kind, shapes))
         compiled = lambda *a, **k: self.run(region, a, k)  # noqa: E731
         result = compare_compute(self.base_linears.compute, kind.__qualname__, compiled, region.eager, args, kwargs)
         self.base_linears.add_accuracy(kind.__qualname__, result)

@@ -9,7 +9,7 @@ Eager is the reference of the same block compiled without base_compute, which ma
 from __future__ import annotations
 
 import copy
-
+import math
 from pathlib import Path
 
 import pytest
@@ -268,10 +268,10 @@ class _MLP(nn.Module):
         return x
 
 
-def _peft_mlp(block: type[_MLPBlock]) -> tuple[nn.Module, list[nn.Parameter]]:
+def _peft_mlp(block: type[_MLPBlock], stack: type[_MLP] = _MLP) -> tuple[nn.Module, list[nn.Parameter]]:
     from peft import LoraConfig, inject_adapter_in_model
 
-    model = _MLP(block).requires_grad_(False)
+    model = stack(block).requires_grad_(False)
     config = LoraConfig(r=4, lora_alpha=4, target_modules=["fc1", "fc2"], init_lora_weights=False)
     inject_adapter_in_model(config, model)
     return model, [p for p in model.parameters() if p.requires_grad]
@@ -360,8 +360,8 @@ def test_the_accuracy_check_runs_for_each_input_shape_of_a_class_and_keeps_the_w
 ) -> None:
     """A class's calls of other sizes run other graphs, where other Linears may stay in their dtype
     (on CUDA, Lumina 2's text refiners, of its main blocks' class, have too few rows for any): the
-    check runs at the first compiled call of each input shape, and the class keeps the worst
-    figures; a skipped check counts only where none ran."""
+    check runs at the first compiled call of each input shape, up to ACCURACY_CHECKS_PER_CLASS
+    shapes, and the class keeps the worst figures; a skipped check counts only where none ran."""
     from compile_accel import regions
 
     results = iter(
@@ -382,30 +382,65 @@ def test_the_accuracy_check_runs_for_each_input_shape_of_a_class_and_keeps_the_w
     model, params = _peft_mlp(_MLPBlock)
     config = CompileConfig(mode="blocks", base_compute="int8", backend="aot_eager")  # (as in the peft test)
     acceleration = compile_accel.apply(model, config, blocks=["blocks"])
-    shapes = [(2, 24, 32), (1, 40, 32), (3, 8, 32), (4, 4, 32)]
+    shapes = [(2, 24, 32), (1, 40, 32), (3, 8, 32), (4, 4, 32), (2, 8, 32)]
     for shape in [shape for shape in shapes for _ in range(2)]:
         lora_step(model, params, (torch.randn(shape),))
-    assert checked == shapes
+    assert checked == shapes[: regions.ACCURACY_CHECKS_PER_CLASS]
     expected = {"output_error": 0.01, "min_gradient_cosine": 0.98, "gradients": 5, "checks": 2}
     assert acceleration.stats()["base_compute"]["accuracy"] == {"_MLPBlock": expected}
     acceleration.remove()
 
 
+def test_a_nan_check_is_the_worst_whichever_came_first() -> None:
+    nan, fine = float("nan"), {"output_error": 0.01, "min_gradient_cosine": 0.999, "gradients": 1}
+    for results in ([fine, {**fine, "output_error": nan}], [{**fine, "min_gradient_cosine": nan}, fine]):
+        linears = base_compute.BaseLinears("int8")
+        for result in results:
+            linears.add_accuracy("Block", result)
+        kept = linears.accuracy["Block"]
+        assert math.isnan(kept["output_error"]) or math.isnan(kept["min_gradient_cosine"]), kept
+        assert kept["checks"] == 2
+
+
+class _MaskedMLPBlock(_MLPBlock):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(x))) * mask
+
+
+class _MaskedMLP(_MLP):
+    """Three blocks given a broadcast mask of stride 0, as compile_accel.region_inputs keeps masks."""
+
+    def __init__(self, block: type[_MLPBlock]) -> None:
+        nn.Module.__init__(self)
+        self.blocks = nn.ModuleList([block() for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.ones(1, 1, 32, dtype=torch.bool).expand(*x.shape)
+        for block in self.blocks:
+            x = block(x, mask)
+        return x
+
+
 def test_the_accuracy_check_compiles_no_graph_of_its_own() -> None:
-    """The check's compiled run gets copies of the call's inputs requiring grad where the call's
-    did (the conditioning does not), so it takes the graph the call took: one per block class.
-    (Copies that all required grad compiled one more graph per class.)"""
+    """The check's compiled run gets copies of the call's inputs as the call got them (requiring
+    grad where they did: the conditioning does not; a mask of stride 0 stays so), so it takes the
+    graph the call took: one per block class. (Copies that all required grad, or were dense,
+    compiled one more graph per class.)"""
     torch.manual_seed(torch.seed())
-    model, params = build("kohya", None)
+    model, _ = build("kohya", None)
+    masked, _ = _peft_mlp(_MaskedMLPBlock, _MaskedMLP)
     config = CompileConfig(mode="blocks", base_compute="int8", backend="aot_eager")  # (as in the peft test)
-    acceleration = compile_accel.apply(model, config)
-    inputs = inputs_for(model)
-    for _ in range(2):
-        lora_step(model, params, inputs)
-    stats = acceleration.stats()
-    assert sorted(stats["base_compute"]["accuracy"]) == ["DoubleStreamBlock", "SingleStreamBlock"]
-    assert (stats["unique_graphs"], stats["recompiles"]) == (2, 0)
-    acceleration.remove()
+    for network, inputs, classes in [
+        (model, inputs_for(model), ["DoubleStreamBlock", "SingleStreamBlock"]),
+        (masked, (torch.randn(2, 24, 32),), ["_MaskedMLPBlock"]),
+    ]:
+        acceleration = compile_accel.apply(network, config, blocks=None if network is model else ["blocks"])
+        for _ in range(2):
+            lora_step(network, [p for p in network.parameters() if p.requires_grad], inputs)
+        stats = acceleration.stats()
+        assert sorted(stats["base_compute"]["accuracy"]) == classes
+        assert (stats["unique_graphs"], stats["recompiles"]) == (len(classes), 0)
+        acceleration.remove()
 
 
 class _WideMLPBlock(_MLPBlock):
