@@ -95,10 +95,10 @@ class CompiledFunction:
         # (module class, grad mode) pairs dynamo has compiled a graph for. The first call in a new
         # pair is checked for compiling none; dynamo guards both, so that call must compile one.
         self.compiled_contexts: set[tuple[type, bool]] = set()
-        # (class, input shapes) pairs base_compute's accuracy check has run for: a class's calls of
+        # Per class, the input shapes base_compute's accuracy check has run for: a class's calls of
         # other sizes can run other graphs, with other Linears in 8 bits (Lumina 2's text refiners,
         # of its main blocks' class, have too few rows for any). At most ACCURACY_CHECKS_PER_CLASS.
-        self.accuracy_checked: set[tuple[type, tuple]] = set()
+        self.accuracy_checked: dict[type, set[tuple]] = {}
         self.shared_inputs = SharedInputs()  # each class's conditioning inputs (compile_accel.region_inputs)
         self._warned_checkpoint = False
         self.precompiled = Precompiled(self.fn)
@@ -286,11 +286,13 @@ class CompiledFunction:
             or torch.compiler.is_compiling()
         ):
             return
-        shapes = tuple(tuple(t.shape) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))
-        checked = [key for key in self.accuracy_checked if key[0] is kind]
-        if (kind, shapes) in self.accuracy_checked or len(checked) >= ACCURACY_CHECKS_PER_CLASS:
+        checked = self.accuracy_checked.setdefault(kind, set())
+        if len(checked) >= ACCURACY_CHECKS_PER_CLASS:
             return
-        self.accuracy_checked.add((kind, shapes))
+        shapes = tuple(tuple(t.shape) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))
+        if shapes in checked:
+            return
+        checked.add(shapes)
         compiled = lambda *a, **k: self.run(region, a, k)  # noqa: E731
         result = compare_compute(self.base_linears.compute, kind.__qualname__, compiled, region.eager, args, kwargs)
         self.base_linears.add_accuracy(kind.__qualname__, result)
