@@ -244,9 +244,9 @@ def test_kohya_dit_blocks_in_int8_match_eager_across_shapes_and_remove_restores_
 
 
 class _MLPBlock(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int = 32, hidden: int = 64) -> None:
         super().__init__()
-        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 32)
+        self.fc1, self.fc2 = nn.Linear(width, hidden), nn.Linear(hidden, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.fc2(F.gelu(self.fc1(x)))
@@ -258,9 +258,9 @@ class _CheckpointedMLPBlock(_MLPBlock):
 
 
 class _MLP(nn.Module):
-    def __init__(self, block: type[_MLPBlock]) -> None:
+    def __init__(self, block: type[_MLPBlock], count: int = 2) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList([block(), block()])
+        self.blocks = nn.ModuleList([block() for _ in range(count)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -411,8 +411,7 @@ class _MaskedMLP(_MLP):
     """Three blocks given a broadcast mask of stride 0, as compile_accel.region_inputs keeps masks."""
 
     def __init__(self, block: type[_MLPBlock]) -> None:
-        nn.Module.__init__(self)
-        self.blocks = nn.ModuleList([block() for _ in range(3)])
+        super().__init__(block, count=3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mask = torch.ones(1, 1, 32, dtype=torch.bool).expand(*x.shape)
@@ -447,8 +446,7 @@ class _WideMLPBlock(_MLPBlock):
     """_MLPBlock at sizes 8-bit matmuls gain on, for the GPU."""
 
     def __init__(self) -> None:
-        nn.Module.__init__(self)
-        self.fc1, self.fc2 = nn.Linear(256, 1024), nn.Linear(1024, 256)
+        super().__init__(width=256, hidden=1024)
 
 
 def _needs(device: str, compute: str) -> list[pytest.MarkDecorator]:
