@@ -11,8 +11,9 @@ and the model's checkpoint, if any, sees none of their saved tensors.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -41,7 +42,7 @@ def compare_compute(
     try:
         # A checkpoint's saved-tensor hooks, active around this call, must not see these runs' tensors.
         with torch.random.fork_rng([d for d in devices if d.type == "cuda"]), torch.enable_grad():
-            with keep_saved_tensors():
+            with keep_saved_tensors(), _step_backward_still_pending(devices):
                 expected, expected_gradients = _output_and_gradients(eager, args, kwargs, None)
                 output, gradients = _output_and_gradients(compiled, args, kwargs, list(expected_gradients))
     except torch.OutOfMemoryError:
@@ -72,6 +73,27 @@ def compare_compute(
             "(CompileConfig.exclude) or train without base_compute"
         )
     return {"output_error": error, "min_gradient_cosine": cosine, "gradients": len(cosines)}
+
+
+@contextlib.contextmanager
+def _step_backward_still_pending(devices: set[torch.device]) -> Iterator[None]:
+    """Under CUDA graphs (compile_mode "reduce-overhead"): inductor's CUDA graph trees take the first
+    forward after any backward for the next step's, and free what the forwards before it recorded,
+    saved for the step's backward. The check's backward, inside the step's forward, is not the
+    step's: the trees are told again that a backward is pending, as they were before."""
+    from torch._inductor import cudagraph_trees
+
+    managers = [
+        cudagraph_trees.get_manager(device.index, create_if_none_exists=False)
+        for device in devices
+        if device.type == "cuda" and device.index is not None
+    ]
+    pending = {manager: manager.running_forwards_with_pending_backwards for manager in managers if manager}
+    try:
+        yield
+    finally:
+        for manager, was_pending in pending.items():
+            manager.running_forwards_with_pending_backwards = was_pending
 
 
 def _output_and_gradients(

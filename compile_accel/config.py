@@ -169,14 +169,6 @@ class CompileConfig:
                 f"CompileConfig.base_compute={self.base_compute!r} applies inside compiled regions; "
                 "mode='off' compiles none"
             )
-        if self.base_compute is not None and self.compile_mode in CUDA_GRAPH_MODES:
-            # Tried on an H200 (a test DiT, 5 steps against the same graphs without CUDA graphs):
-            # selective mode trained as without them; blocks mode under a budget failed with
-            # "accessing tensor output of CUDAGraphs that has been overwritten" (not diagnosed).
-            raise ValueError(
-                f"CompileConfig.base_compute={self.base_compute!r} does not run under CUDA graphs yet "
-                f"(compile_mode={self.compile_mode!r}); use compile_mode=None or 'default'"
-            )
         if not isinstance(self.exclude, (list, tuple)) or not all(isinstance(p, str) for p in self.exclude):
             raise ValueError(f"CompileConfig.exclude must be a list of glob patterns, got {self.exclude!r}")
 

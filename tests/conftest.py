@@ -9,7 +9,7 @@ import os
 import sys
 import tempfile
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 # Compiles of identical graphs across tests hit this cache (.ci/run points it at a per-run dir).
@@ -153,6 +153,33 @@ def lora_step(model: nn.Module, params: list[nn.Parameter], inputs: tuple) -> tu
     for p in params:
         p.grad = None
     return loss.detach(), grads
+
+
+def train_beside(
+    model: nn.Module,
+    params: list[nn.Parameter],
+    reference: nn.Module,
+    reference_params: list[nn.Parameter],
+    steps: int,
+    after_step: Callable[[int], None] | None = None,
+) -> None:
+    """`steps` SGD steps (lr 0.1) of `model` and `reference` on the same fresh CUDA inputs: each
+    loss and LoRA gradient within 1e-3 (relative) of the reference's. `after_step(step)` runs
+    after each update."""
+    for step in range(steps):
+        inputs = tuple(t.cuda() for t in inputs_for(model, res=32, text_len=16))
+        loss, grads = lora_step(model, params, inputs)
+        expected_loss, expected_grads = lora_step(reference, reference_params, inputs)
+        assert relative_error(loss, expected_loss) < 1e-3
+        assert max(map(relative_error, grads, expected_grads)) < 1e-3
+        with torch.no_grad():
+            for param, grad, reference_param, reference_grad in zip(
+                params, grads, reference_params, expected_grads, strict=True
+            ):
+                param -= 0.1 * grad
+                reference_param -= 0.1 * reference_grad
+        if after_step is not None:
+            after_step(step)
 
 
 def run_bench(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:

@@ -9,6 +9,7 @@ Eager is the reference of the same block compiled without base_compute, which ma
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import ONE_BLOCK_CLASS, build, inputs_for, lora_step, relative_error
+from conftest import ONE_BLOCK_CLASS, build, inputs_for, lora_step, relative_error, train_beside
 from torch.utils.checkpoint import checkpoint
 
 import compile_accel
@@ -524,6 +525,52 @@ def test_a_lora_trained_in_8_bits_reaches_the_loss_it_reaches_in_its_own_dtype(
     assert start > 10 * floor
     assert own < 1.2 * floor and in_8_bits < 1.2 * floor, (own, in_8_bits, floor)
     assert abs(in_8_bits - own) <= 0.1 * own, (in_8_bits, own)
+
+
+def _test_dit_on(device: str, checkpointing: str | None) -> tuple[nn.Module, list[nn.Parameter]]:
+    model, params = build("kohya", checkpointing, dim=256, heads=4, text_dim=64)
+    model.to(device)
+    for network in getattr(model, "_test_network", []):
+        network.to(device)
+    return model, params
+
+
+@pytest.mark.parametrize("mode, budget", [("blocks", 0.5), ("selective", None)])
+@pytest.mark.parametrize("compute", [pytest.param(c, marks=_needs("cuda", c)) for c in base_compute.LINEARS])
+def test_cuda_graphs_train_as_the_same_graphs_without_them(
+    compute: str, mode: str, budget: float | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """compile_mode="reduce-overhead" with 8-bit compute: five steps of fresh inputs, LoRA weights
+    updated in place and, after the third, a base weight changed in place, against the same config
+    without CUDA graphs (fp32, tolerance 1e-3 for inductor's reordered sums). The accuracy check's
+    forward and backward at the first step, inside the step's forward, must not free what the
+    blocks before it recorded for the step's backward (CUDA graph trees took its backward for the
+    step's end)."""
+    monkeypatch.setattr(base_compute, "CUDA_MIN_ROWS", 0)
+    skips_before = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+    checkpointing = "reentrant" if mode == "selective" else None
+    torch.manual_seed(0)
+    model, params = _test_dit_on("cuda", checkpointing)
+    torch.manual_seed(0)
+    twin, twin_params = _test_dit_on("cuda", checkpointing)
+    config = CompileConfig(mode=mode, activation_memory_budget=budget, base_compute=compute)
+    acceleration = compile_accel.apply(model, dataclasses.replace(config, compile_mode="reduce-overhead"))
+    compile_accel.apply(twin, config)
+    base = next(n for n, m in model.named_modules() if isinstance(m, nn.Linear) and "blocks" in n and "lora" not in n)
+
+    def change_a_base_weight(step: int) -> None:
+        if step == 2:
+            for network in (model, twin):
+                with torch.no_grad():
+                    network.get_submodule(base).weight.mul_(-0.5)
+
+    train_beside(model, params, twin, twin_params, steps=5, after_step=change_a_base_weight)
+    stats = acceleration.stats()
+    assert stats["recompiles"] == 0 and stats["fallbacks"] == [] and stats["cuda_graph_graphs"] > 0
+    assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == skips_before  # CUDA graphs did run
+    assert stats["base_compute"]["in_8_bits"] == stats["base_compute"]["base_linears"] > 0
+    checks = stats["base_compute"]["accuracy"].values()
+    assert checks and all(check.get("checks", 0) >= 1 for check in checks)
 
 
 @pytest.mark.parametrize(

@@ -505,11 +505,12 @@ def test_a_compute_suffix_sets_base_compute_on_compiled_modes_only(capsys, no_mo
     offloaded = parse_mode("selective+ckpt+offload=0.5+compute=int8")
     assert (offloaded.config.base_compute, offloaded.offload.fraction) == ("int8", 0.5)
     assert parse_mode("blocks+budget=0.5").config.base_compute is None
+    cuda_graphs = parse_mode("blocks+budget=0.5+cudagraphs+compute=fp8").config
+    assert (cuda_graphs.base_compute, cuda_graphs.compile_mode) == ("fp8", "reduce-overhead")
     for spec, message in [
         ("eager+ckpt+compute=int8", "this mode compiles none with compile_accel"),
         ("perblock+ckpt+compute=int8", "this mode compiles none with compile_accel"),
         ("blocks+budget=0.5+compute=int4", "base_compute must be one of"),
-        ("blocks+budget=0.5+cudagraphs+compute=int8", "does not run under CUDA graphs yet"),
     ]:
         with pytest.raises(ValueError, match=message):
             parse_mode(spec)

@@ -52,10 +52,6 @@ BAD_CONFIGS = [
     (dict(mode="blocks", base_compute="int4"), "base_compute must be one of"),
     (dict(mode="blocks", base_compute=8), "base_compute must be one of"),
     (dict(mode="off", base_compute="int8"), "base_compute='int8' applies inside compiled regions"),
-    (
-        dict(mode="blocks", activation_memory_budget=0.5, base_compute="int8", compile_mode="reduce-overhead"),
-        "base_compute='int8' does not run under CUDA graphs yet",
-    ),
 ]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from conftest import as_close_as_eager, build, inputs_for, lora_step, relative_error
+from conftest import as_close_as_eager, build, inputs_for, lora_step, relative_error, train_beside
 
 import compile_accel
 from compile_accel import CompileConfig
@@ -64,16 +64,7 @@ def test_cuda_graphs_train_as_eager_on_fresh_inputs(mode: str, budget: float | s
     acceleration = compile_accel.apply(model, config)
     if budget == "auto":
         acceleration.auto_budget.candidates = (0.0, 0.5)  # 0.5 predicted to fit: calibration records its graphs
-    for _ in range(4):
-        inputs = tuple(t.cuda() for t in inputs_for(model, res=32, text_len=16))
-        loss, grads = _cuda_step(model, params, inputs, autocast=False)
-        expected_loss, expected_grads = _cuda_step(eager, eager_params, inputs, autocast=False)
-        assert relative_error(loss, expected_loss) < 1e-3
-        assert max(map(relative_error, grads, expected_grads)) < 1e-3
-        with torch.no_grad():
-            for param, grad, eager_param, eager_grad in zip(params, grads, eager_params, expected_grads, strict=True):
-                param -= 0.1 * grad
-                eager_param -= 0.1 * eager_grad
+    train_beside(model, params, eager, eager_params, steps=4)
     stats = acceleration.stats()
     assert stats["compiled_regions"] == stats["regions"] > 0
     assert stats["recompiles"] == 0 and stats["fallbacks"] == []
