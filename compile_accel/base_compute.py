@@ -8,6 +8,9 @@ products with symmetric scales that factor out of the sum:
 - forward: X per row (token); W per output channel (its rows);
 - backward: dY per row; W per input channel (the rows of Wᵀ).
 
+On CUDA each of the two products runs in 8 bits only where it gains (`_why_not_8_bits`): the
+other stays in the weight's dtype, in the same call.
+
 int8: int8 x int8 with int32 accumulation (compile_accel.int8_matmul). fp8: float8_e4m3fn x
 float8_e4m3fn with fp32 accumulation in `torch._scaled_mm`, row-wise scales; a weight stored as
 float8_e4m3fn (sd-scripts' `--fp8_base`) is multiplied as it is, with unit scales, never
@@ -45,6 +48,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import int8, int8_matmul
@@ -65,6 +69,15 @@ CUDA_SIZE_MULTIPLE = {"int8": 8, "fp8": 16}
 # The same holds for a weight stored as float8_e4m3fn (`--fp8_base`), which fp8 compute need not
 # quantize: with no threshold for them, or one of 256 rows, Flux-dev's step at 24 SMs was 2-3% slower.
 CUDA_MIN_ROWS = 1024
+# On CUDA a product whose output is narrower stays in its dtype (the forward's output is
+# out_features wide, the input gradient's in_features). Its operand (activations, output
+# gradients) is quantized once, in the kernel that makes it, and each quantized element saves
+# `width` multiply-adds at bf16's rate less 8 bits'. At 24 SMs of an H200, fp8 (sd-scripts' models as
+# a 4090): SDXL b4's step with every product in 8 bits was 0.947x bf16's, its 1280-wide products'
+# operands quantized in GEGLU's kernels; with this bar 1.011x. Lumina 2's 2304-wide ones gain as
+# much as they cost (a bar of 2560: 1.045x, this one 1.044x); Flux-dev's, 3072 and wider, gain.
+CUDA_MIN_WIDTH = 2048
+PRODUCTS = ("forward", "input gradient")  # a frozen Linear's two matmuls in a LoRA step
 
 
 # The oldest GPUs with the tensor-core matmuls: int8 from Ampere (sm80), fp8 from Ada (sm89).
@@ -169,28 +182,40 @@ FORMATS = {
 
 
 def _linear_function(compute: str) -> type[torch.autograd.Function]:
-    """F.linear(x, weight, bias) of a frozen weight, with both of its matmuls in the 8-bit format
-    `compute`; the gradient goes to x alone (rewrite_base_linears rewrites no call whose weight or
-    bias trains). Everything but the products is torch ops, which the compiler fuses into the
-    kernels around."""
+    """F.linear(x, weight, bias) of a frozen weight, its forward and its input gradient each as an
+    8-bit matmul in the format `compute` or, where the call says not, in `out_dtype` as F.linear
+    under autocast computes it; the gradient goes to x alone (rewrite_base_linears rewrites no call
+    whose weight or bias trains). Everything but the products is torch ops, which the compiler fuses
+    into the kernels around."""
     form = FORMATS[compute]
 
     class Linear8Bit(torch.autograd.Function):
         @staticmethod
         def forward(
-            ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+            ctx: Any,
+            x: torch.Tensor,
+            weight: torch.Tensor,
+            bias: torch.Tensor | None,
+            out_dtype: torch.dtype,
+            forward_in_8_bits: bool,
+            input_gradient_in_8_bits: bool,
         ) -> torch.Tensor:
             ctx.save_for_backward(weight)
-            ctx.in_dtype = x.dtype
+            ctx.in_dtype, ctx.in_8_bits = x.dtype, input_gradient_in_8_bits
+            if not forward_in_8_bits:
+                bias = None if bias is None else bias.to(out_dtype)
+                return F.linear(x.to(out_dtype), weight.to(out_dtype), bias)
             out = form.product(*form.rows(x), *form.weight(weight), bias, out_dtype)
             return out.reshape(*x.shape[:-1], weight.shape[0])
 
         @staticmethod
         def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
             (weight,) = ctx.saved_tensors
+            if not ctx.in_8_bits:
+                return torch.matmul(grad, weight.to(grad.dtype)).to(ctx.in_dtype), None, None, None, None, None
             # dX = dY·W: W quantized per input channel, so that its scales factor out of the sum.
             grad_x = form.product(*form.rows(grad), *form.weight(weight.t().contiguous()), None, ctx.in_dtype)
-            return grad_x.reshape(*grad.shape[:-1], weight.shape[1]), None, None, None
+            return grad_x.reshape(*grad.shape[:-1], weight.shape[1]), None, None, None, None, None
 
     Linear8Bit.__name__ = Linear8Bit.__qualname__ = f"{compute.capitalize()}Linear"
     return Linear8Bit
@@ -216,9 +241,13 @@ _library = torch.library.Library("compile_accel", "FRAGMENT")
 
 
 def _define_linear(name: str, function: type[torch.autograd.Function]) -> Any:
-    """The operator `compile_accel::name` running `function`: F.linear(x, weight, bias) in 8 bits,
-    in `out_dtype` (what the call gave under autocast)."""
-    _library.define(f"{name}.{_OVERLOAD}(Tensor x, Tensor weight, Tensor? bias, ScalarType out_dtype) -> Tensor")
+    """The operator `compile_accel::name` running `function`: F.linear(x, weight, bias) in
+    `out_dtype` (what the call gave under autocast), its forward and input gradient each in 8 bits
+    where the two flags say."""
+    _library.define(
+        f"{name}.{_OVERLOAD}(Tensor x, Tensor weight, Tensor? bias, ScalarType out_dtype, bool forward_in_8_bits, "
+        "bool input_gradient_in_8_bits) -> Tensor"
+    )
     _library.impl(f"{name}.{_OVERLOAD}", function.apply, "CompositeImplicitAutograd")
     return getattr(getattr(torch.ops.compile_accel, name), _OVERLOAD)
 
@@ -240,7 +269,8 @@ class BaseLinears:
     compute: str
     layers: dict[str, tuple[type, str, nn.Linear]] = field(default_factory=dict)  # name -> (class, path, layer)
     roles: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)  # weight -> (class, path)
-    outcomes: dict[tuple, set[str]] = field(default_factory=dict)  # layer key -> IN_8_BITS and the reasons not
+    # layer key -> (product, IN_8_BITS or the reason it stays) for each of PRODUCTS in each graph
+    outcomes: dict[tuple, set[tuple[str, str]]] = field(default_factory=dict)
     # region class name -> the worst of compile_accel.base_compute_probe.compare_compute's results
     # (one per input shapes), with "checks": how many
     accuracy: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -257,9 +287,10 @@ class BaseLinears:
                     found.roles[module.weight] = (type(spec.module), path)
         return found
 
-    def record(self, weight: torch.Tensor, bias: torch.Tensor | None, outcome: str) -> None:
+    def record(self, weight: torch.Tensor, bias: torch.Tensor | None, outcomes: tuple[str, str]) -> None:
+        """The outcomes of one call of a layer: of its forward and of its input gradient."""
         key = _layer_key(*self.roles[weight], weight, bias)
-        self.outcomes.setdefault(key, set()).add(outcome)
+        self.outcomes.setdefault(key, set()).update(zip(PRODUCTS, outcomes))
 
     def add_accuracy(self, name: str, result: dict[str, Any]) -> None:
         """Fold one accuracy check of region class `name` into its figures: the largest output
@@ -281,18 +312,22 @@ class BaseLinears:
 
     def summary(self) -> dict[str, Any]:
         """`compute`, `base_linears` (how many), `in_8_bits` (how many a compiled graph runs in 8
-        bits), `stayed` (layer name -> why it runs in its own dtype) and
+        bits, one of their two products at least), `stayed` (layer name -> why it runs in its own
+        dtype, where only one product does: "forward: why" or "input gradient: why") and
         `accuracy` (region class -> its first training calls' comparison with its own dtype, one per
         input shapes, the worst figures kept). A layer
         whose class has graphs of both kinds counts in `in_8_bits` and is in `stayed` as well."""
         stayed, in_8_bits = {}, 0
+        untraced = set(zip(PRODUCTS, (NOT_TRACED, NOT_TRACED)))
         for name, (kind, path, layer) in self.layers.items():
-            outcomes = self.outcomes.get(_layer_key(kind, path, layer.weight, layer.bias), {NOT_TRACED})
-            in_8_bits += IN_8_BITS in outcomes
-            reasons = "; ".join(sorted(outcomes - {IN_8_BITS}))
-            if reasons and IN_8_BITS in outcomes:
-                stayed[name] = f"{reasons} (in 8 bits in other graphs of its class)"
-            elif reasons:
+            outcomes = self.outcomes.get(_layer_key(kind, path, layer.weight, layer.bias), untraced)
+            in_8_bits += any(outcome == IN_8_BITS for _, outcome in outcomes)
+            why = {product: _why_it_stays(product, outcomes) for product in PRODUCTS}
+            if len(set(why.values())) == 1:
+                reasons = why[PRODUCTS[0]]
+            else:
+                reasons = "; ".join(f"{product}: {reasons}" for product, reasons in why.items() if reasons)
+            if reasons:
                 stayed[name] = reasons
         return {
             "compute": self.compute,
@@ -301,6 +336,15 @@ class BaseLinears:
             "stayed": stayed,
             "accuracy": dict(self.accuracy),
         }
+
+
+def _why_it_stays(product: str, outcomes: set[tuple[str, str]]) -> str:
+    """Why `product` of a layer stays in its dtype in the graphs that do so ("" in none), noting
+    graphs that run it in 8 bits."""
+    reasons = "; ".join(sorted(outcome for p, outcome in outcomes if p == product and outcome != IN_8_BITS))
+    if reasons and (product, IN_8_BITS) in outcomes:
+        return f"{reasons} (in 8 bits in other graphs of its class)"
+    return reasons
 
 
 def _worst(values: list[float], larger_is_worse: bool) -> float | None:
@@ -316,7 +360,25 @@ def _layer_key(kind: type, path: str, weight: torch.Tensor, bias: torch.Tensor |
     return kind, path, tuple(weight.shape), weight.dtype, weight.device, bias_trains
 
 
-def _why_not_8_bits(compute: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
+def _why_not_8_bits(
+    compute: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[str | None, str | None]:
+    """Why the call's forward and its input gradient (PRODUCTS) each stay in their dtype, None for
+    a product that runs in 8 bits."""
+    why = _why_not_the_layer(compute, x, weight, bias)
+    if why is not None or weight.device.type != "cuda":
+        return why, why
+    out_features, in_features = weight.shape
+    return tuple(
+        None
+        if width >= CUDA_MIN_WIDTH
+        else f"output {width} wide: on CUDA 8 bits gain from {CUDA_MIN_WIDTH} (quantizing its operand costs more)"
+        for width in (out_features, in_features)
+    )
+
+
+def _why_not_the_layer(compute: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
+    """Why neither product of the call runs in 8 bits, or None."""
     if bias is not None and bias.requires_grad:
         return "its bias is trainable"
     if not (x.is_floating_point() and weight.is_floating_point()):
@@ -385,7 +447,8 @@ def _rewrite_linear(
     gm: torch.fx.GraphModule, node: torch.fx.Node, values: dict[torch.fx.Node, Any], base_linears: BaseLinears
 ) -> bool:
     """Replace one F.linear call by base_linears.compute's 8-bit linear if its weight is a base
-    weight that can run in 8 bits; whether it did. A base weight that cannot is recorded with the reason."""
+    weight one of whose products can run in 8 bits; whether it did. The outcome of each product
+    of a base weight is recorded (a reason where it stays)."""
     x, weight, bias = (_value(arg, values) for arg in _linear_arguments(node))
     if (
         not isinstance(weight, nn.Parameter)
@@ -395,14 +458,14 @@ def _rewrite_linear(
     ):
         return False
     why = _why_not_8_bits(base_linears.compute, x, weight, bias)
-    base_linears.record(weight, bias, why or IN_8_BITS)
-    if why is not None:
+    base_linears.record(weight, bias, tuple(reason or IN_8_BITS for reason in why))
+    if all(why):
         return False
     x_node, weight_node, bias_node = _linear_arguments(node)
     with gm.graph.inserting_before(node):
         replacement = gm.graph.call_function(
             LINEARS[base_linears.compute],
-            (x_node, weight_node, bias_node, node.meta["example_value"].dtype),
+            (x_node, weight_node, bias_node, node.meta["example_value"].dtype, *(reason is None for reason in why)),
         )
     replacement.meta = dict(node.meta)
     node.replace_all_uses_with(replacement)

@@ -34,10 +34,13 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return F.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
 
 
+@pytest.mark.parametrize("in_8_bits", [(True, True), (True, False), (False, True)], ids=["both", "forward", "gradient"])
 @pytest.mark.parametrize("compute", base_compute.LINEARS)
-def test_8_bit_linear_matches_linear_and_follows_its_weight(compute: str) -> None:
+def test_8_bit_linear_matches_linear_and_follows_its_weight(compute: str, in_8_bits: tuple[bool, bool]) -> None:
+    """Each product in 8 bits within the format's error (and off: not exact), or, where the call
+    says not, F.linear's (1e-6: the same matmul)."""
     torch.manual_seed(torch.seed())
-    max_error = MAX_ERRORS[compute]
+    forward_bound, gradient_bound = (MAX_ERRORS[compute] if flag else 1e-6 for flag in in_8_bits)
     linear = nn.Linear(48, 40).requires_grad_(False)
     x = torch.randn(3, 10, 48, requires_grad=True)
     grad = torch.randn(3, 10, 40)
@@ -46,24 +49,25 @@ def test_8_bit_linear_matches_linear_and_follows_its_weight(compute: str) -> Non
         x.grad = None
         expected = F.linear(x, linear.weight, linear.bias)
         (expected_input_grad,) = torch.autograd.grad(expected, x, grad)
-        out = base_compute.LINEARS[compute](x, linear.weight, linear.bias, torch.float32)
+        out = base_compute.LINEARS[compute](x, linear.weight, linear.bias, torch.float32, *in_8_bits)
         out.backward(grad)
         return out, expected, x.grad, expected_input_grad
 
     out, expected, input_grad, expected_input_grad = both()
-    assert 0 < relative_error(out, expected) <= max_error
-    assert 0 < relative_error(input_grad, expected_input_grad) <= max_error
+    errors = relative_error(out, expected), relative_error(input_grad, expected_input_grad)
+    assert errors[0] <= forward_bound and errors[1] <= gradient_bound
+    assert (errors[0] > 1e-6, errors[1] > 1e-6) == in_8_bits
 
     with torch.no_grad():
         linear.weight.mul_(-2)  # in place
     out, expected, input_grad, expected_input_grad = both()
-    assert relative_error(out, expected) <= max_error
-    assert relative_error(input_grad, expected_input_grad) <= max_error
+    assert relative_error(out, expected) <= forward_bound
+    assert relative_error(input_grad, expected_input_grad) <= gradient_bound
 
     linear.weight.data = torch.randn(40, 48)  # a new storage (as a swapped block's)
     out, expected, input_grad, expected_input_grad = both()
-    assert relative_error(out, expected) <= max_error
-    assert relative_error(input_grad, expected_input_grad) <= max_error
+    assert relative_error(out, expected) <= forward_bound
+    assert relative_error(input_grad, expected_input_grad) <= gradient_bound
 
 
 def test_fp8_multiplies_a_float8_weight_as_it_is() -> None:
@@ -79,7 +83,7 @@ def test_fp8_multiplies_a_float8_weight_as_it_is() -> None:
     grad = x[:, :40].contiguous()  # rows of the same kind for the backward
 
     x.requires_grad_(True)
-    out = base_compute.fp8_linear(x, weight, None, torch.float32)
+    out = base_compute.fp8_linear(x, weight, None, torch.float32, True, True)
     out.backward(grad)
     expected = (x.detach().double() @ weight.double().t()).float()
     assert torch.allclose(out, expected.bfloat16().float(), rtol=2**-8, atol=0)
@@ -159,25 +163,61 @@ def _fake(*shape: int, device: str = "cuda", dynamic: bool = False) -> torch.Ten
         ("fp8", _fake(1, 60, device="cpu"), _fake(36, 60, device="cpu"), None),  # every size on the CPU
     ],
 )
-def test_what_stays_out_of_8_bits_on_cuda(compute: str, x: torch.Tensor, weight: torch.Tensor, why: str | None) -> None:
-    reason = base_compute._why_not_8_bits(compute, x, weight, None)
-    assert reason == why if why is None else reason.startswith(why)
+def test_what_stays_out_of_8_bits_on_cuda(
+    compute: str, x: torch.Tensor, weight: torch.Tensor, why: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reasons of the whole layer: both products stay (the products' width left out here)."""
+    monkeypatch.setattr(base_compute, "CUDA_MIN_WIDTH", 0)
+    forward, gradient = base_compute._why_not_8_bits(compute, x, weight, None)
+    assert forward == gradient
+    assert forward == why if why is None else forward.startswith(why)
+
+
+@pytest.mark.parametrize(
+    "weight, why",
+    [
+        ((4096, 2048), (None, None)),
+        ((4096, 1024), (None, "output 1024 wide: on CUDA 8 bits gain from 2048")),  # (the input gradient's)
+        ((1024, 4096), ("output 1024 wide: on CUDA 8 bits gain from 2048", None)),
+        ((1024, 1024), ("output 1024 wide",) * 2),
+    ],
+)
+def test_on_cuda_a_product_narrower_than_the_width_bar_stays(
+    weight: tuple[int, int], why: tuple[str | None, str | None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The forward's output is out_features wide, the input gradient's in_features: each product
+    is decided on its own. On the CPU every product runs in 8 bits."""
+    monkeypatch.setattr(base_compute, "CUDA_MIN_WIDTH", 2048)
+    x = _fake(4096, weight[1])
+    reasons = base_compute._why_not_8_bits("fp8", x, _fake(*weight), None)
+    assert [r if r is None else r[: len(w)] for r, w in zip(reasons, why)] == list(why)
+    x, weight = _fake(4096, weight[1], device="cpu"), _fake(*weight, device="cpu")
+    assert base_compute._why_not_8_bits("fp8", x, weight, None) == (None, None)
 
 
 def test_a_layer_whose_class_has_graphs_of_both_kinds_counts_as_both() -> None:
     """The outcomes of one layer role in several graphs (a class run on inputs of other sizes):
-    8 bits where any graph runs it so, and every reason any graph kept it."""
+    8 bits where any graph runs it so, and every reason any graph kept it; a layer with one
+    product in 8 bits counts as in 8 bits, and the other's reason is named with its product."""
     block = _MLPBlock().requires_grad_(False)
     found = base_compute.BaseLinears.find("fp8", [RegionSpec("blocks.0", block)], exclude=[])
-    found.record(block.fc1.weight, block.fc1.bias, base_compute.IN_8_BITS)
-    found.record(block.fc1.weight, block.fc1.bias, "input rows 512: ...")
-    found.record(block.fc2.weight, block.fc2.bias, "input rows 512: ...")
+    in_8_bits, rows, narrow = base_compute.IN_8_BITS, "input rows 512: ...", "output 32 wide: ..."
+    found.record(block.fc1.weight, block.fc1.bias, (in_8_bits, in_8_bits))
+    found.record(block.fc1.weight, block.fc1.bias, (rows, rows))
+    found.record(block.fc2.weight, block.fc2.bias, (rows, rows))
     summary = found.summary()
     assert (summary["base_linears"], summary["in_8_bits"]) == (2, 1)
     assert summary["stayed"] == {
         "blocks.0.fc1": "input rows 512: ... (in 8 bits in other graphs of its class)",
         "blocks.0.fc2": "input rows 512: ...",
     }
+    found.record(block.fc2.weight, block.fc2.bias, (in_8_bits, narrow))
+    summary = found.summary()
+    assert summary["in_8_bits"] == 2
+    assert summary["stayed"]["blocks.0.fc2"] == (
+        "forward: input rows 512: ... (in 8 bits in other graphs of its class); "
+        "input gradient: input rows 512: ...; output 32 wide: ..."
+    )
 
 
 def _inputs(model: nn.Module, height: int, width: int, text: int) -> tuple[torch.Tensor, ...]:
@@ -477,8 +517,9 @@ def test_a_lora_trained_in_8_bits_reaches_the_loss_it_reaches_in_its_own_dtype(
     as a diffusion loss does (its variance is the floor a perfect student reaches), each step a
     fresh batch. Both students must learn the delta (from over 10x the floor to under 1.2x) and
     end within 10% of each other. On CUDA under bf16 autocast, compiled with inductor, every call
-    in 8 bits (no row threshold)."""
+    in 8 bits (no row or width threshold)."""
     monkeypatch.setattr(base_compute, "CUDA_MIN_ROWS", 0)
+    monkeypatch.setattr(base_compute, "CUDA_MIN_WIDTH", 0)
     torch.manual_seed(torch.seed())
     teacher, _ = _peft_mlp(block)
     teacher.to(device)
@@ -540,13 +581,16 @@ def _test_dit_on(device: str, checkpointing: str | None) -> tuple[nn.Module, lis
 def test_cuda_graphs_train_as_the_same_graphs_without_them(
     compute: str, mode: str, budget: float | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """compile_mode="reduce-overhead" with 8-bit compute: five steps of fresh inputs, LoRA weights
+    """compile_mode="reduce-overhead" with 8-bit compute (every product): five steps of fresh inputs, LoRA weights
     updated in place and, after the third, a base weight changed in place, against the same config
-    without CUDA graphs (fp32, tolerance 1e-3 for inductor's reordered sums). The accuracy check's
+    without CUDA graphs (fp32; tolerance 1e-2: where the two compilations' sums differ in the last
+    bit, a quantization may round a value to the next int8 step, 0.25% of the LoRA gradients seen
+    on an H200; a recorded tensor overwritten or a stale weight is off by far more). The accuracy check's
     forward and backward at the first step, inside the step's forward, must not free what the
     blocks before it recorded for the step's backward (CUDA graph trees took its backward for the
     step's end)."""
     monkeypatch.setattr(base_compute, "CUDA_MIN_ROWS", 0)
+    monkeypatch.setattr(base_compute, "CUDA_MIN_WIDTH", 0)
     skips_before = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
     checkpointing = "reentrant" if mode == "selective" else None
     torch.manual_seed(0)
@@ -564,7 +608,7 @@ def test_cuda_graphs_train_as_the_same_graphs_without_them(
                 with torch.no_grad():
                     network.get_submodule(base).weight.mul_(-0.5)
 
-    train_beside(model, params, twin, twin_params, steps=5, after_step=change_a_base_weight)
+    train_beside(model, params, twin, twin_params, steps=5, after_step=change_a_base_weight, tolerance=1e-2)
     stats = acceleration.stats()
     assert stats["recompiles"] == 0 and stats["fallbacks"] == [] and stats["cuda_graph_graphs"] > 0
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == skips_before  # CUDA graphs did run
