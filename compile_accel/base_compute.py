@@ -76,6 +76,7 @@ CUDA_MIN_ROWS = 1024
 # a 4090): SDXL b4's step with every product in 8 bits was 0.947x bf16's, its 1280-wide products'
 # operands quantized in GEGLU's kernels; with this bar 1.011x. Lumina 2's 2304-wide ones gain as
 # much as they cost (a bar of 2560: 1.045x, this one 1.044x); Flux-dev's, 3072 and wider, gain.
+# int8 takes the same bar, measured for fp8 alone.
 CUDA_MIN_WIDTH = 2048
 PRODUCTS = ("forward", "input gradient")  # a frozen Linear's two matmuls in a LoRA step
 
@@ -313,7 +314,7 @@ class BaseLinears:
     def summary(self) -> dict[str, Any]:
         """`compute`, `base_linears` (how many), `in_8_bits` (how many a compiled graph runs in 8
         bits, one of their two products at least), `stayed` (layer name -> why it runs in its own
-        dtype, where only one product does: "forward: why" or "input gradient: why") and
+        dtype; where the two products' reasons differ, "forward: why | input gradient: why") and
         `accuracy` (region class -> its first training calls' comparison with its own dtype, one per
         input shapes, the worst figures kept). A layer
         whose class has graphs of both kinds counts in `in_8_bits` and is in `stayed` as well."""
@@ -326,7 +327,7 @@ class BaseLinears:
             if len(set(why.values())) == 1:
                 reasons = why[PRODUCTS[0]]
             else:
-                reasons = "; ".join(f"{product}: {reasons}" for product, reasons in why.items() if reasons)
+                reasons = " | ".join(f"{product}: {reasons}" for product, reasons in why.items() if reasons)
             if reasons:
                 stayed[name] = reasons
         return {

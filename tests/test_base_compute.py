@@ -215,7 +215,7 @@ def test_a_layer_whose_class_has_graphs_of_both_kinds_counts_as_both() -> None:
     summary = found.summary()
     assert summary["in_8_bits"] == 2
     assert summary["stayed"]["blocks.0.fc2"] == (
-        "forward: input rows 512: ... (in 8 bits in other graphs of its class); "
+        "forward: input rows 512: ... (in 8 bits in other graphs of its class) | "
         "input gradient: input rows 512: ...; output 32 wide: ..."
     )
 

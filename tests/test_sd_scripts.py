@@ -340,11 +340,6 @@ def test_bad_budget_is_an_argparse_error(value: str) -> None:
         ),
         (["--base_compute", "int8"], {}, "--base_compute need --selective_torch_compile or --activation_memory_budget"),
         (
-            ["--activation_memory_budget", "0.5", "--base_compute", "int8", "--compile_cuda_graphs"],
-            {},
-            "--base_compute int8: does not run under --compile_cuda_graphs yet; drop one of the two",
-        ),
-        (
             ["--activation_memory_budget", "auto", "--compile_workers", "2", "--compile_workers_wait"],
             {},
             "--compile_workers_wait: --activation_memory_budget auto measures its candidates in the steps after",

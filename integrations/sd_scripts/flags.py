@@ -151,7 +151,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> dict[str, Any]:
             choices=["int8", "fp8"],
             default=None,
             help="run the frozen base model's matmuls inside the compiled blocks in 8 bits, forward and input "
-            "gradient, the LoRA in its own dtype (int8: CUDA GPUs of compute capability 8.0 or newer; fp8: 8.9 or "
+            "gradient each where it gains (on CUDA, outputs 2048 wide or more), the LoRA in its own dtype (int8: CUDA GPUs of compute capability 8.0 or newer; fp8: 8.9 or "
             "newer, --fp8_base weights multiplied as they are)",
         )
         group.add_argument(
@@ -250,8 +250,6 @@ def config_from_args(args: argparse.Namespace, theirs: dict[str, Any] | None = N
     if args.base_compute:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where sd-scripts trains
         refusal = base_compute_refusal(args.base_compute, {device})
-        if refusal is None and args.compile_cuda_graphs:
-            refusal = "does not run under --compile_cuda_graphs yet; drop one of the two"
         if refusal:
             raise LaunchError(f"--base_compute {args.base_compute}: {refusal}")
         config.base_compute = args.base_compute
