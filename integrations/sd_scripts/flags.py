@@ -151,7 +151,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> dict[str, Any]:
             choices=["int8", "fp8"],
             default=None,
             help="run the frozen base model's matmuls inside the compiled blocks in 8 bits, forward and input "
-            "gradient each where it gains (on CUDA, outputs 2048 wide or more), the LoRA in its own dtype (int8: CUDA GPUs of compute capability 8.0 or newer; fp8: 8.9 or "
+            "gradient each where it gains (on CUDA, outputs 2048 wide or more), the LoRA in its own dtype "
+            "(int8: CUDA GPUs of compute capability 8.0 or newer; fp8: 8.9 or "
             "newer, --fp8_base weights multiplied as they are)",
         )
         group.add_argument(
