@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -316,6 +317,48 @@ def _peft_mlp(block: type[_MLPBlock], stack: type[_MLP] = _MLP) -> tuple[nn.Modu
     config = LoraConfig(r=4, lora_alpha=4, target_modules=["fc1", "fc2"], init_lora_weights=False)
     inject_adapter_in_model(config, model)
     return model, [p for p in model.parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("kept", [0, 1], ids=["forward-kept", "gradient-kept"])
+def test_a_compiled_graph_keeps_one_product_in_its_dtype_where_the_other_runs_in_8_bits(
+    kept: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CUDA a product narrower than CUDA_MIN_WIDTH stays (stood in for on the CPU, where every
+    product runs in 8 bits): with only the forward in 8 bits the output is the all-8-bit graph's,
+    the LoRA gradients are not; with only the input gradient, the reverse where the forward differs
+    (the output is the model's own dtype's exactly)."""
+    torch.manual_seed(torch.seed())
+    model, params = _peft_mlp(_MLPBlock)
+    x = torch.randn(2, 24, 32)
+    own_out = model(x).detach()
+    config = CompileConfig(mode="blocks", base_compute="int8", backend="aot_eager")
+
+    def step(why: Callable[..., tuple[str | None, str | None]]) -> tuple[torch.Tensor, list[torch.Tensor], dict]:
+        monkeypatch.setattr(base_compute, "_why_not_8_bits", why)
+        acceleration = compile_accel.apply(model, config, blocks=["blocks"])
+        lora_step(model, params, (x,))  # (the class's first call runs eager)
+        out = model(x)
+        out.square().mean().backward()
+        grads = [p.grad.clone() for p in params]
+        for p in params:
+            p.grad = None
+        summary = acceleration.stats()["base_compute"]
+        acceleration.remove()
+        return out.detach(), grads, summary
+
+    reasons: list[str | None] = [None, None]
+    reasons[kept] = "stood in for the width bar"
+    both_out, both_grads, _ = step(lambda compute, x, weight, bias: (None, None))
+    out, grads, summary = step(lambda compute, x, weight, bias: tuple(reasons))
+    assert summary["in_8_bits"] == summary["base_linears"] == 4
+    product = base_compute.PRODUCTS[kept]
+    assert set(summary["stayed"].values()) == {f"{product}: stood in for the width bar"}
+    if kept == 1:  # the forward in 8 bits, as in the all-8-bit graph; the input gradient not
+        assert torch.equal(out, both_out)
+        assert any(not torch.equal(g, b) for g, b in zip(grads, both_grads, strict=True))
+    else:  # the forward in the model's dtype
+        assert torch.allclose(out, own_out, rtol=1e-6, atol=1e-6) and not torch.equal(out, both_out)
+    assert min(_cosine(g, b) for g, b in zip(grads, both_grads, strict=True)) >= MIN_COSINE
 
 
 # selective: each peft Linear is a region; blocks: the whole block, and with the block's own
