@@ -611,6 +611,37 @@ def test_a_lora_trained_in_8_bits_reaches_the_loss_it_reaches_in_its_own_dtype(
     assert abs(in_8_bits - own) <= 0.1 * own, (in_8_bits, own)
 
 
+def test_the_accuracy_check_leaves_cuda_graph_trees_waiting_for_the_steps_backward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The check's backward marks the trees' backward done; after the check they wait for the
+    step's again, as before it (a tree that was not waiting is left as the check leaves it; a GPU
+    without a tree is not given one). The GPU test below shows what it guards."""
+    from torch._inductor import cudagraph_trees
+
+    from compile_accel import base_compute_probe
+
+    class Tree:
+        running_forwards_with_pending_backwards = True
+
+    trees = {0: Tree(), 1: Tree()}
+    trees[1].running_forwards_with_pending_backwards = False
+    asked = []
+
+    def get_manager(index: int, create_if_none_exists: bool = True) -> Tree | None:
+        asked.append((index, create_if_none_exists))
+        return trees.get(index)
+
+    monkeypatch.setattr(cudagraph_trees, "get_manager", get_manager)
+    devices = {torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cuda", 2), torch.device("cpu")}
+    with base_compute_probe._step_backward_still_pending(devices):
+        for tree in trees.values():
+            tree.running_forwards_with_pending_backwards = False  # the check's backward
+    assert trees[0].running_forwards_with_pending_backwards
+    assert not trees[1].running_forwards_with_pending_backwards
+    assert sorted(asked) == [(0, False), (1, False), (2, False)]
+
+
 def _test_dit_on(device: str, checkpointing: str | None) -> tuple[nn.Module, list[nn.Parameter]]:
     model, params = build("kohya", checkpointing, dim=256, heads=4, text_dim=64)
     model.to(device)
