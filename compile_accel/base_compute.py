@@ -313,16 +313,18 @@ class BaseLinears:
 
     def summary(self) -> dict[str, Any]:
         """`compute`, `base_linears` (how many), `in_8_bits` (how many a compiled graph runs in 8
-        bits, one of their two products at least), `stayed` (layer name -> why it runs in its own
+        bits, one of their two products at least), `matmuls_in_8_bits` (of their 2 x base_linears
+        products: forwards and input gradients), `stayed` (layer name -> why it runs in its own
         dtype; where the two products' reasons differ, "forward: why | input gradient: why") and
         `accuracy` (region class -> its first training calls' comparison with its own dtype, one per
         input shapes, the worst figures kept). A layer
         whose class has graphs of both kinds counts in `in_8_bits` and is in `stayed` as well."""
-        stayed, in_8_bits = {}, 0
+        stayed, in_8_bits, matmuls_in_8_bits = {}, 0, 0
         untraced = set(zip(PRODUCTS, (NOT_TRACED, NOT_TRACED)))
         for name, (kind, path, layer) in self.layers.items():
             outcomes = self.outcomes.get(_layer_key(kind, path, layer.weight, layer.bias), untraced)
             in_8_bits += any(outcome == IN_8_BITS for _, outcome in outcomes)
+            matmuls_in_8_bits += sum((product, IN_8_BITS) in outcomes for product in PRODUCTS)
             why = {product: _why_it_stays(product, outcomes) for product in PRODUCTS}
             if len(set(why.values())) == 1:
                 reasons = why[PRODUCTS[0]]
@@ -334,6 +336,7 @@ class BaseLinears:
             "compute": self.compute,
             "base_linears": len(self.layers),
             "in_8_bits": in_8_bits,
+            "matmuls_in_8_bits": matmuls_in_8_bits,
             "stayed": stayed,
             "accuracy": dict(self.accuracy),
         }

@@ -214,7 +214,7 @@ def test_a_layer_whose_class_has_graphs_of_both_kinds_counts_as_both() -> None:
     }
     found.record(block.fc2.weight, block.fc2.bias, (in_8_bits, narrow))
     summary = found.summary()
-    assert summary["in_8_bits"] == 2
+    assert (summary["in_8_bits"], summary["matmuls_in_8_bits"]) == (2, 3)
     assert summary["stayed"]["blocks.0.fc2"] == (
         "forward: input rows 512: ... (in 8 bits in other graphs of its class) | "
         "input gradient: input rows 512: ...; output 32 wide: ..."
@@ -277,6 +277,7 @@ def test_kohya_dit_blocks_in_int8_match_eager_across_shapes_and_remove_restores_
         "compute": "int8",
         "base_linears": 12,
         "in_8_bits": 12,
+        "matmuls_in_8_bits": 24,
         "stayed": {},
         "accuracy": {"SingleStreamBlock": stats["base_compute"]["accuracy"]["SingleStreamBlock"]},
     }
@@ -350,7 +351,7 @@ def test_a_compiled_graph_keeps_one_product_in_its_dtype_where_the_other_runs_in
     reasons[kept] = "stood in for the width bar"
     both_out, both_grads, _ = step(lambda compute, x, weight, bias: (None, None))
     out, grads, summary = step(lambda compute, x, weight, bias: tuple(reasons))
-    assert summary["in_8_bits"] == summary["base_linears"] == 4
+    assert summary["in_8_bits"] == summary["base_linears"] == 4 and summary["matmuls_in_8_bits"] == 4
     product = base_compute.PRODUCTS[kept]
     assert set(summary["stayed"].values()) == {f"{product}: stood in for the width bar"}
     if kept == 1:  # the forward in 8 bits, as in the all-8-bit graph; the input gradient not
@@ -390,6 +391,7 @@ def test_peft_base_layers_in_8_bits_and_a_trainable_bias_stays(case: str, comput
         "compute": compute,
         "base_linears": 4,
         "in_8_bits": 3,
+        "matmuls_in_8_bits": 6,
         "stayed": {"blocks.1.fc2.base_layer": "its bias is trainable"},
         "accuracy": {kind: stats["base_compute"]["accuracy"][kind]},  # (its figures: the test above)
     }
