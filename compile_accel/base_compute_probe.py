@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from typing import Any, Callable, Iterator
 
 import torch
@@ -81,12 +82,11 @@ def _step_backward_still_pending(devices: set[torch.device]) -> Iterator[None]:
     forward after any backward for the next step's, and free what the forwards before it recorded,
     saved for the step's backward. The check's backward, inside the step's forward, is not the
     step's: the trees are told again that a backward is pending, as they were before."""
-    from torch._inductor import cudagraph_trees
-
+    cudagraph_trees = sys.modules.get("torch._inductor.cudagraph_trees")  # (not imported: no tree exists)
     managers = [
         cudagraph_trees.get_manager(device.index, create_if_none_exists=False)
         for device in devices
-        if device.type == "cuda" and device.index is not None
+        if cudagraph_trees is not None and device.type == "cuda" and device.index is not None
     ]
     pending = {manager: manager.running_forwards_with_pending_backwards for manager in managers if manager}
     try:
