@@ -323,13 +323,14 @@ class BaseLinears:
         untraced = set(zip(PRODUCTS, (NOT_TRACED, NOT_TRACED)))
         for name, (kind, path, layer) in self.layers.items():
             outcomes = self.outcomes.get(_layer_key(kind, path, layer.weight, layer.bias), untraced)
-            in_8_bits += any(outcome == IN_8_BITS for _, outcome in outcomes)
-            matmuls_in_8_bits += sum((product, IN_8_BITS) in outcomes for product in PRODUCTS)
+            products_in_8_bits = sum((product, IN_8_BITS) in outcomes for product in PRODUCTS)
+            in_8_bits += products_in_8_bits > 0
+            matmuls_in_8_bits += products_in_8_bits
             why = {product: _why_it_stays(product, outcomes) for product in PRODUCTS}
             if len(set(why.values())) == 1:
                 reasons = why[PRODUCTS[0]]
             else:
-                reasons = " | ".join(f"{product}: {reasons}" for product, reasons in why.items() if reasons)
+                reasons = " | ".join(f"{product}: {text}" for product, text in why.items() if text)
             if reasons:
                 stayed[name] = reasons
         return {
