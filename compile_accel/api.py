@@ -18,6 +18,7 @@ from .saved_bytes import SavedBytesEstimate
 from .blocks import BlockList, resolve_block_lists
 from . import compile_workers
 from .backend import start_compile_workers
+from . import base_compute
 from .base_compute import BaseLinears, base_compute_advice, base_compute_refusal
 from .compile_profile import CompileClock, CompileTimes
 from .config import CUDA_GRAPH_MODES, CompileConfig
@@ -122,6 +123,8 @@ class Acceleration:
             switch.restore()
         for callback in reversed(self._on_remove):
             callback()
+        if self.base_linears is not None:
+            base_compute.register(self.base_linears, applied=False)
         self.model.__dict__.pop(_MARK, None)
         self._removed = True
 
@@ -308,6 +311,8 @@ def _compile_blocks(
         acceleration.remove()
         raise
     model.__dict__[_MARK] = acceleration
+    if base_linears is not None:
+        base_compute.register(base_linears, applied=True)
     return acceleration
 
 

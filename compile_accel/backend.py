@@ -36,9 +36,11 @@ import torch.utils._pytree as pytree
 
 from . import compile_workers
 from .attention import rewrite_attention
-from .base_compute import BaseLinears, rewrite_base_linears
+from .base_compute import BaseLinears
+from .base_compute_rewrite import rewrite_base_linears
 from .config import CUDA_GRAPH_MODES, WITHOUT_CUDA_GRAPHS, CompileConfig
 from .dynamo_settings import HAS_EAGER_BACKWARD_KNOB
+from .int8_weight import plain_tensors, separate_aliased_outputs
 from .saved_bytes import SavedBytesEstimate
 from .stats import Stats
 
@@ -92,7 +94,7 @@ def _complex_op(gm: torch.fx.GraphModule) -> str | None:
 
 
 def _signature(gm: torch.fx.GraphModule) -> tuple:
-    """What a graph was compiled for: its frame, input names/shapes/strides/dtypes/devices/requires_grad,
+    """What a graph was compiled for: its frame, input names/types/shapes/strides/dtypes/devices/requires_grad,
     grad mode and autocast. A second graph with the same signature is a wasted recompile."""
     compile_id = torch._guards.CompileContext.current_compile_id()
     inputs = []
@@ -104,6 +106,7 @@ def _signature(gm: torch.fx.GraphModule) -> tuple:
             inputs.append(
                 (
                     node.name,
+                    type(value).__name__,  # (a conductor's Int8Weight, a plain tensor's fake)
                     str(tuple(value.shape)),
                     str(value.stride()),
                     value.dtype,
@@ -146,7 +149,8 @@ def _outputs_copied(compiled: Callable) -> Callable:
 
     def run(*args: Any) -> Any:
         # Read before the call: a boxed call may empty its argument list.
-        inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)}
+        leaves = [t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
+        inputs = {plain.untyped_storage().data_ptr() for t in leaves for plain in plain_tensors(t)}
 
         def own(out: torch.Tensor) -> torch.Tensor:
             return out if out.untyped_storage().data_ptr() in inputs else out.clone()
@@ -351,6 +355,7 @@ class RegionBackend:
         rewrite_attention(gm)  # reads traced values of nodes the next rewrite replaces
         if self.base_linears is not None:
             rewrite_base_linears(gm, example_inputs, self.base_linears)
+            separate_aliased_outputs(gm, example_inputs)
 
     def for_precompile(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         """This backend as torch's aot_compile calls it (compile_accel.precompile): the same

@@ -8,7 +8,7 @@ products with symmetric scales that factor out of the sum:
 - forward: X per row (token); W per output channel (its rows);
 - backward: dY per row; W per input channel (the rows of Wᵀ).
 
-On CUDA each of the two products runs in 8 bits only where it gains (`_why_not_8_bits`): the
+On CUDA each of the two products runs in 8 bits only where it gains (`why_not_8_bits`): the
 other stays in the weight's dtype, in the same call.
 
 int8: int8 x int8 with int32 accumulation (compile_accel.int8_matmul). fp8: float8_e4m3fn x
@@ -22,16 +22,16 @@ at budget 0.5), and quantizing reads the weight once, little beside the product'
 shared by every block of its class, so it reads whichever weights it is given (a swapped block's
 too).
 
-Where: RegionBackend rewrites each `linear` call in dynamo's graph of a region whose weight is a
-frozen nn.Linear of that region (`rewrite_base_linears`): a plain Linear, the base a kohya-style
-LoRA calls through its saved `org_forward`, peft's `base_layer`, all of which reach F.linear with
-that weight. The call becomes `int8_linear` or `fp8_linear` before AOTAutograd, so every compile
-path (in this process, compile workers, precompile, auto's traced step) gets the same graph, and
-the LoRA path, trainable, stays in its dtype. In it the activations (forward), the output
-gradients (backward) and the weight are quantized with torch ops the compiler fuses into the
-kernels around them; the int8 products run in `compile_accel::scaled_int8_mm`, one kernel with the
-scales applied (compile_accel.int8_matmul), the fp8 ones in `torch._scaled_mm`. A call whose layer
-cannot run in 8 bits stays as it was, and the reason is recorded (`BaseLinears.summary`, in
+An int8 weight that the offload conductor streams (an Int8Weight, compile_accel.int8_weight) is
+multiplied as it is: its per-row values and scales are what the forward would quantize it to, and
+the backward folds its row scales into dY before quantizing dY per row.
+
+Where: compile_accel.base_compute_rewrite turns the regions' base Linear calls into `int8_linear`
+or `fp8_linear` in dynamo's graph. In them the activations (forward), the output gradients
+(backward) and the weight are quantized with torch ops the compiler fuses into the kernels around
+them; the int8 products run in `compile_accel::scaled_int8_mm`, one kernel with the scales applied
+(compile_accel.int8_matmul), the fp8 ones in `torch._scaled_mm`. A call whose layer cannot run in
+8 bits stays as it was, and the reason is recorded (`BaseLinears.summary`, in
 `stats()["base_compute"]`).
 """
 
@@ -42,18 +42,19 @@ import importlib.metadata
 import inspect
 import math
 import sys
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import int8, int8_matmul
+from . import int8, int8_matmul, int8_weight
 from .int8 import quantize_int8
 from .int8_matmul import scaled_int8_mm
+from .int8_weight import Int8Weight, dequantize
 from .selective import RegionSpec, is_excluded
 
 IN_8_BITS = "in 8 bits"  # the outcome of a layer whose matmuls run in 8 bits
@@ -201,22 +202,36 @@ def _linear_function(compute: str) -> type[torch.autograd.Function]:
             forward_in_8_bits: bool,
             input_gradient_in_8_bits: bool,
         ) -> torch.Tensor:
-            ctx.save_for_backward(weight)
-            ctx.in_dtype, ctx.in_8_bits = x.dtype, input_gradient_in_8_bits
+            # An int8 weight streamed by the offload conductor (compile_accel/int8_weight.py) holds
+            # what quantize_int8 makes of the weight: its values are multiplied as they are.
+            held = compute == "int8" and isinstance(weight, Int8Weight)
+            ctx.save_for_backward(*((weight.q, weight.scale) if held else (weight,)))
+            ctx.in_dtype, ctx.in_8_bits, ctx.weight_dtype = x.dtype, input_gradient_in_8_bits, weight.dtype
             if not forward_in_8_bits:
                 bias = None if bias is None else bias.to(out_dtype)
                 return F.linear(x.to(out_dtype), weight.to(out_dtype), bias)
-            out = form.product(*form.rows(x), *form.weight(weight), bias, out_dtype)
+            quantized = (weight.q, weight.scale) if held else form.weight(weight)
+            out = form.product(*form.rows(x), *quantized, bias, out_dtype)
             return out.reshape(*x.shape[:-1], weight.shape[0])
 
         @staticmethod
         def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-            (weight,) = ctx.saved_tensors
+            saved, none = ctx.saved_tensors, (None,) * 5
+            if len(saved) == 2:  # an Int8Weight's values and row scales
+                q, scale = saved
+                if not ctx.in_8_bits:
+                    weight = dequantize(q, scale, ctx.weight_dtype).to(grad.dtype)
+                    return torch.matmul(grad, weight).to(ctx.in_dtype), *none
+                # dX = dY·W = (dY · diag(scale))·Q: the row scales fold into dY before it is quantized.
+                ones = torch.ones(q.shape[1], dtype=torch.float32, device=q.device)
+                grad_x = form.product(*form.rows(grad * scale), q.t().contiguous(), ones, None, ctx.in_dtype)
+                return grad_x.reshape(*grad.shape[:-1], q.shape[1]), *none
+            (weight,) = saved
             if not ctx.in_8_bits:
-                return torch.matmul(grad, weight.to(grad.dtype)).to(ctx.in_dtype), None, None, None, None, None
+                return torch.matmul(grad, weight.to(grad.dtype)).to(ctx.in_dtype), *none
             # dX = dY·W: W quantized per input channel, so that its scales factor out of the sum.
             grad_x = form.product(*form.rows(grad), *form.weight(weight.t().contiguous()), None, ctx.in_dtype)
-            return grad_x.reshape(*grad.shape[:-1], weight.shape[1]), None, None, None, None, None
+            return grad_x.reshape(*grad.shape[:-1], weight.shape[1]), *none
 
     Linear8Bit.__name__ = Linear8Bit.__qualname__ = f"{compute.capitalize()}Linear"
     return Linear8Bit
@@ -226,7 +241,8 @@ def _implementation_hash() -> str:
     """A hash of the code int8_linear runs (or of compile_accel's version, where no source is
     installed)."""
     try:
-        source = "".join(inspect.getsource(module) for module in (sys.modules[__name__], int8, int8_matmul))
+        modules = (sys.modules[__name__], int8, int8_matmul, int8_weight)
+        source = "".join(inspect.getsource(module) for module in modules)
     except (OSError, TypeError):
         source = importlib.metadata.version("compile_accel")
     return hashlib.sha256(source.encode()).hexdigest()[:16]
@@ -258,7 +274,7 @@ LINEARS = {compute: _define_linear(f"{compute}_linear", _linear_function(compute
 int8_linear, fp8_linear = LINEARS["int8"], LINEARS["fp8"]
 
 
-@dataclass
+@dataclass(eq=False)  # (by identity: kept in a WeakSet)
 class BaseLinears:
     """The frozen nn.Linear layers of the compiled regions, and for each whether its matmuls run in
     8 bits or why not. A graph is traced for one region and run by every region of its class with
@@ -343,6 +359,33 @@ class BaseLinears:
         }
 
 
+# The BaseLinears of the accelerations applied now (`register`; Acceleration.remove() takes its
+# own out): the offload conductor asks which streamed weights int8 compute multiplies.
+_APPLIED: weakref.WeakSet[BaseLinears] = weakref.WeakSet()
+
+
+def register(base_linears: BaseLinears, applied: bool) -> None:
+    """Count `base_linears` among the applied accelerations' (applied=False: no longer)."""
+    if applied:
+        _APPLIED.add(base_linears)
+    else:
+        _APPLIED.discard(base_linears)
+
+
+def multiplied_in_int8(weight: torch.Tensor) -> bool:
+    """Whether `weight` is a base Linear's weight in an acceleration applied with base_compute="int8"
+    (the offload conductor then streams it as an Int8Weight)."""
+    return any(found.compute == "int8" and weight in found.roles for found in _APPLIED)
+
+
+def adopt_weight(original: torch.Tensor, replacement: torch.Tensor) -> None:
+    """`replacement` now stands in its layer for the base weight `original` (the offload conductor's
+    Int8Weight; and back at its remove())."""
+    for found in _APPLIED:
+        if original in found.roles:
+            found.roles[replacement] = found.roles[original]
+
+
 def _why_it_stays(product: str, outcomes: set[tuple[str, str]]) -> str:
     """Why `product` of a layer stays in its dtype in the graphs that do so ("" in none), noting
     graphs that run it in 8 bits."""
@@ -360,12 +403,14 @@ def _worst(values: list[float], larger_is_worse: bool) -> float | None:
 
 
 def _layer_key(kind: type, path: str, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
-    """What an outcome is kept under: the layer's role and what `_why_not_8_bits` reads of it."""
+    """What an outcome is kept under: the layer's role and what `why_not_8_bits` reads of it, but
+    its device: a block swapped out (sd-scripts' block swap) has its weights in host memory when
+    `summary` reads them, and ran on the GPU."""
     bias_trains = bias is not None and bias.requires_grad
-    return kind, path, tuple(weight.shape), weight.dtype, weight.device, bias_trains
+    return kind, path, tuple(weight.shape), weight.dtype, bias_trains
 
 
-def _why_not_8_bits(
+def why_not_8_bits(
     compute: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[str | None, str | None]:
     """Why the call's forward and its input gradient (PRODUCTS) each stay in their dtype, None for
@@ -405,74 +450,3 @@ def _size_hint(size: int | torch.SymInt) -> int:
     """A size as a number: a symbolic one (dynamic shapes) by the value it was traced with, which
     decides without a guard (rows differ by orders of magnitude between the two kinds of call)."""
     return size.node.hint if isinstance(size, torch.SymInt) else size
-
-
-def _linear_arguments(node: torch.fx.Node) -> tuple[Any, Any, Any]:
-    """(input, weight, bias) of an F.linear call, given by position or keyword."""
-    args = (*node.args, *(node.kwargs[k] for k in ("input", "weight", "bias")[len(node.args) :] if k in node.kwargs))
-    return args[0], args[1], args[2] if len(args) > 2 else None
-
-
-def rewrite_base_linears(gm: torch.fx.GraphModule, example_inputs: list[Any], base_linears: BaseLinears) -> None:
-    """Turn each F.linear call of dynamo's graph `gm` (and of the graphs nested in it, a checkpoint's
-    body) whose weight is one of `base_linears` into int8_linear or fp8_linear, or record why it stays.
-    `example_inputs` are the real tensors dynamo calls `gm` with."""
-    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
-    _rewrite(gm, dict(zip(placeholders, example_inputs)), base_linears)
-
-
-def _rewrite(gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any], base_linears: BaseLinears) -> None:
-    """rewrite_base_linears on one graph; `values`: the real tensor of each placeholder known."""
-    rewritten = False
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function":
-            continue
-        if node.target is torch._C._nn.linear:
-            rewritten |= _rewrite_linear(gm, node, values, base_linears)
-            continue
-        # A higher-order op (a checkpoint) calls a nested graph on the operands after it.
-        for index, arg in enumerate(node.args):
-            body = getattr(gm, arg.target, None) if isinstance(arg, torch.fx.Node) and arg.op == "get_attr" else None
-            if isinstance(body, torch.fx.GraphModule):
-                inner = [n for n in body.graph.nodes if n.op == "placeholder"]
-                known = {p: values[o] for p, o in zip(inner, node.args[index + 1 :]) if o in values}
-                _rewrite(body, known, base_linears)
-    if rewritten:
-        gm.recompile()
-
-
-def _value(arg: Any, values: dict[torch.fx.Node, Any]) -> Any:
-    """A call's argument as a tensor: the real one of a known placeholder, else the traced (fake) value."""
-    if not isinstance(arg, torch.fx.Node):
-        return arg
-    return values[arg] if arg in values else arg.meta.get("example_value")
-
-
-def _rewrite_linear(
-    gm: torch.fx.GraphModule, node: torch.fx.Node, values: dict[torch.fx.Node, Any], base_linears: BaseLinears
-) -> bool:
-    """Replace one F.linear call by base_linears.compute's 8-bit linear if its weight is a base
-    weight one of whose products can run in 8 bits; whether it did. The outcome of each product
-    of a base weight is recorded (a reason where it stays)."""
-    x, weight, bias = (_value(arg, values) for arg in _linear_arguments(node))
-    if (
-        not isinstance(weight, nn.Parameter)
-        or weight not in base_linears.roles
-        or weight.requires_grad
-        or not isinstance(x, torch.Tensor)  # (an input without a traced value: left as it is)
-    ):
-        return False
-    why = _why_not_8_bits(base_linears.compute, x, weight, bias)
-    base_linears.record(weight, bias, tuple(reason or IN_8_BITS for reason in why))
-    if all(why):
-        return False
-    x_node, weight_node, bias_node = _linear_arguments(node)
-    with gm.graph.inserting_before(node):
-        replacement = gm.graph.call_function(
-            LINEARS[base_linears.compute],
-            (x_node, weight_node, bias_node, node.meta["example_value"].dtype, *(reason is None for reason in why)),
-        )
-    replacement.meta = dict(node.meta)
-    node.replace_all_uses_with(replacement)
-    gm.graph.erase_node(node)
-    return True

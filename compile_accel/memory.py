@@ -9,6 +9,8 @@ from collections.abc import Iterable
 
 import torch
 
+from .int8_weight import plain_tensors
+
 
 class SavedActivationMeter:
     """Bytes autograd keeps for backward while the block is active.
@@ -19,17 +21,18 @@ class SavedActivationMeter:
     """
 
     def __init__(self, parameters: Iterable[torch.Tensor]) -> None:
-        self._skip = {p.untyped_storage().data_ptr() for p in parameters}
+        self._skip = {t.untyped_storage().data_ptr() for p in parameters for t in plain_tensors(p)}
         self._seen: set[int] = set()
         self.bytes = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in self._skip and ptr not in self._seen:
-            self._seen.add(ptr)
-            self.bytes += storage.nbytes()
+        for plain in plain_tensors(tensor):  # (an eager Linear saves a streamed Int8Weight)
+            storage = plain.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in self._skip and ptr not in self._seen:
+                self._seen.add(ptr)
+                self.bytes += storage.nbytes()
         return tensor
 
     def __enter__(self) -> SavedActivationMeter:

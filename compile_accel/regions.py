@@ -46,6 +46,7 @@ from .saved_bytes import SavedBytesEstimate
 from .config import CUDA_GRAPH_MODES, CompileConfig
 from .dynamo_settings import COMPILE_TAKES_RECOMPILE_LIMIT, ensure_thread_settings
 from .fallback_reasons import failure_reason, no_graph_reason
+from .int8_weight import Int8Weight
 from .precompile import TRACED, Precompiled, saved_guards
 from .region_inputs import SharedInputs, canonical_inputs, check_aliased_views
 from .selective import RegionSpec
@@ -462,7 +463,12 @@ class Region:
         if self._tensor_dicts_generation != _module_tree_changes[0]:
             self._tensor_dicts = [d for m in self.module.modules() for d in (m._parameters, m._buffers)]
             self._tensor_dicts_generation = _module_tree_changes[0]
-        return all(t is None or t.device == device for d in self._tensor_dicts for t in d.values())
+        # (an Int8Weight's device is fixed: its values are where the conductor has its block)
+        return all(
+            t is None or (t.device == device and (type(t) is not Int8Weight or t.q.device == device))
+            for d in self._tensor_dicts
+            for t in d.values()
+        )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1

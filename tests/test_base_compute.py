@@ -22,8 +22,11 @@ from conftest import ONE_BLOCK_CLASS, build, inputs_for, lora_step, relative_err
 from torch.utils.checkpoint import checkpoint
 
 import compile_accel
-from compile_accel import CompileConfig, base_compute
+from compile_accel import CompileConfig, base_compute, base_compute_rewrite
 from compile_accel.benchmarks.tiny_dit import make_inputs
+from compile_accel.int8 import quantize_int8
+from compile_accel.int8_matmul import scaled_int8_mm
+from compile_accel.int8_weight import Int8Weight
 from compile_accel.selective import RegionSpec
 
 MAX_ERROR = 0.02
@@ -90,6 +93,29 @@ def test_fp8_multiplies_a_float8_weight_as_it_is() -> None:
     assert torch.allclose(out, expected.bfloat16().float(), rtol=2**-8, atol=0)
     expected_grad = (grad.double() @ weight_t.double().t()).float()
     assert torch.allclose(x.grad, expected_grad.bfloat16().float(), rtol=2**-8, atol=0)
+
+
+def test_int8_multiplies_an_int8_weight_as_it_is() -> None:
+    """An Int8Weight (int8 values and row scales: what the offload conductor streams) is multiplied
+    as it is: the forward is the int8 product of the quantized input with its values and scales,
+    the input gradient that of the output gradient with the row scales folded in (quantized per
+    row) with its values transposed, not the dense weight's (quantized per input channel); both
+    within int8's error of F.linear on its matrix."""
+    torch.manual_seed(torch.seed())
+    q, scale = quantize_int8(torch.randn(40, 48))
+    weight = Int8Weight(q, scale, torch.float32)
+    matrix = weight.dequantize()
+    x = torch.randn(6, 48, requires_grad=True)
+    grad = torch.randn(6, 40)
+    out = base_compute.int8_linear(x, weight, None, torch.float32, True, True)
+    out.backward(grad)
+    assert torch.equal(out, scaled_int8_mm(*quantize_int8(x.detach()), q, scale, None, torch.float32))
+    folded = quantize_int8(grad * scale)
+    assert torch.equal(x.grad, scaled_int8_mm(*folded, q.t().contiguous(), torch.ones(48), None, torch.float32))
+    dense = base_compute.int8_linear(x, matrix, None, torch.float32, True, True)
+    assert not torch.equal(x.grad, torch.autograd.grad(dense, x, grad)[0])
+    assert relative_error(out, F.linear(x, matrix)) <= MAX_ERROR
+    assert relative_error(x.grad, grad @ matrix) <= MAX_ERROR
 
 
 @pytest.mark.parametrize(
@@ -169,7 +195,7 @@ def test_what_stays_out_of_8_bits_on_cuda(
 ) -> None:
     """Reasons of the whole layer: both products stay (the products' width left out here)."""
     monkeypatch.setattr(base_compute, "CUDA_MIN_WIDTH", 0)
-    forward, gradient = base_compute._why_not_8_bits(compute, x, weight, None)
+    forward, gradient = base_compute.why_not_8_bits(compute, x, weight, None)
     assert forward == gradient
     assert forward == why if why is None else forward.startswith(why)
 
@@ -190,10 +216,10 @@ def test_on_cuda_a_product_narrower_than_the_width_bar_stays(
     is decided on its own. On the CPU every product runs in 8 bits."""
     monkeypatch.setattr(base_compute, "CUDA_MIN_WIDTH", 2048)
     x = _fake(4096, weight[1])
-    reasons = base_compute._why_not_8_bits("fp8", x, _fake(*weight), None)
+    reasons = base_compute.why_not_8_bits("fp8", x, _fake(*weight), None)
     assert [r if r is None else r[: len(w)] for r, w in zip(reasons, why)] == list(why)
     x, weight = _fake(4096, weight[1], device="cpu"), _fake(*weight, device="cpu")
-    assert base_compute._why_not_8_bits("fp8", x, weight, None) == (None, None)
+    assert base_compute.why_not_8_bits("fp8", x, weight, None) == (None, None)
 
 
 def test_a_layer_whose_class_has_graphs_of_both_kinds_counts_as_both() -> None:
@@ -224,6 +250,19 @@ def test_a_layer_whose_class_has_graphs_of_both_kinds_counts_as_both() -> None:
 def _inputs(model: nn.Module, height: int, width: int, text: int) -> tuple[torch.Tensor, ...]:
     latents, t, txt, mask = make_inputs(model.config, res=height, text_len=text)
     return torch.randn(*latents.shape[:2], height, width), t, txt, mask
+
+
+def test_a_layer_swapped_out_counts_as_it_ran() -> None:
+    """A block whose weights a block swap has moved to host memory when stats() is read (sd-scripts'
+    ModelOffloader) counts as its compiled graph ran it, not as a layer no graph reached."""
+    block = _MLPBlock().requires_grad_(False)
+    found = base_compute.BaseLinears.find("int8", [RegionSpec("blocks.0", block)], exclude=[])
+    for layer in (block.fc1, block.fc2):
+        found.record(layer.weight, layer.bias, (base_compute.IN_8_BITS,) * 2)
+        # (on another device: as host memory is to a GPU)
+        layer.weight = nn.Parameter(layer.weight.to("meta"), requires_grad=False)
+    summary = found.summary()
+    assert (summary["in_8_bits"], summary["matmuls_in_8_bits"], summary["stayed"]) == (2, 4, {})
 
 
 def test_kohya_dit_blocks_in_int8_match_eager_across_shapes_and_remove_restores_eager() -> None:
@@ -335,7 +374,7 @@ def test_a_compiled_graph_keeps_one_product_in_its_dtype_where_the_other_runs_in
     config = CompileConfig(mode="blocks", base_compute="int8", backend="aot_eager")
 
     def step(why: Callable[..., tuple[str | None, str | None]]) -> tuple[torch.Tensor, list[torch.Tensor], dict]:
-        monkeypatch.setattr(base_compute, "_why_not_8_bits", why)
+        monkeypatch.setattr(base_compute_rewrite, "why_not_8_bits", why)
         acceleration = compile_accel.apply(model, config, blocks=["blocks"])
         lora_step(model, params, (x,))  # (the class's first call runs eager)
         out = model(x)

@@ -257,6 +257,20 @@ def test_int8_streamed_training_equals_a_run_on_the_dequantized_weights(monkeypa
     assert all(torch.equal(p, e) for p, e in zip(model.parameters(), reference.parameters(), strict=True))
 
 
+def test_int8_streamed_weights_feed_int8_base_compute_on_cuda(monkeypatch) -> None:
+    """tests/test_offload.py's check on CUDA: inductor, the Triton int8 kernel, side-stream copies
+    two blocks ahead and activation offload; the stand-in's small matmuls let into 8 bits."""
+    from test_offload import check_int8_streamed_weights_feed_int8_compute
+
+    from compile_accel import base_compute
+    from compile_accel.offload import activations
+
+    monkeypatch.setattr(activations, "MIN_ACTIVATION_BYTES", 0)
+    monkeypatch.setattr(base_compute, "CUDA_MIN_ROWS", 0)
+    monkeypatch.setattr(base_compute, "CUDA_MIN_WIDTH", 0)
+    check_int8_streamed_weights_feed_int8_compute("cuda", "inductor", activation_offload=True)
+
+
 class _Swapped(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -14,8 +14,18 @@ from torch.utils.checkpoint import checkpoint
 import compile_accel
 from compile_accel import CompileConfig, offload
 from compile_accel.int8 import Int8Matrices, Int8Matrix, dequantize_int8_, quantize_int8
+from compile_accel.int8_weight import Int8Weight
 from compile_accel.offload import BlockOffloadConductor, layout
-from offload_stand_ins import DIM, Stack, assert_compiled_step_matches, copy_of, stack_inputs, step, trainable
+from offload_stand_ins import (
+    DIM,
+    JointStack,
+    Stack,
+    assert_compiled_step_matches,
+    copy_of,
+    stack_inputs,
+    step,
+    trainable,
+)
 
 
 def int8_round_trip_(module: nn.Module) -> None:
@@ -482,6 +492,109 @@ def test_streamed_blocks_with_int8_base_compute_train_as_resident_ones(offload_d
     assert stats["base_compute"]["in_8_bits"] == stats["base_compute"]["base_linears"] == 12
     assert stats["eager_nonresident_calls"] == 0 and stats["recompiles"] == 0
     assert expected_run.stats()["base_compute"]["in_8_bits"] == 12
+
+
+@pytest.mark.parametrize("activation_offload", [False, True])
+def test_int8_streamed_weights_feed_int8_base_compute_as_they_are(activation_offload: bool, monkeypatch) -> None:
+    monkeypatch.setattr(offload.activations, "MIN_ACTIVATION_BYTES", 0)
+    check_int8_streamed_weights_feed_int8_compute("cpu", "aot_eager", activation_offload)
+
+
+def check_int8_streamed_weights_feed_int8_compute(device: str, backend: str, activation_offload: bool) -> None:
+    """Blocks compiled with base_compute="int8", then streamed in int8 (no checkpoint: the compiled
+    blocks save their weights for backward): each streamed block's base Linears get an Int8Weight
+    over the slot's int8 values and row scales, which int8_linear multiplies as they are. The slots
+    hold int8 for them; the loss is that of the same blocks resident with int8 compute on the
+    int8-rounded weights within 1e-4 (the forward multiplies the same int8 values), the LoRA
+    gradients within a cosine of 0.9999 (the input gradient folds the row scales into the output
+    gradient instead of quantizing the weight per input channel); streamed and resident blocks run
+    a graph each, none compiled again; remove() puts the original parameters back, holding the
+    int8 round trip. With activation offload, what the blocks save moves but for the int8 weights
+    (in the slots). Also run on CUDA (tests/test_gpu.py)."""
+    resident = Stack(n=6, checkpointing=None).to(device)
+    model = copy_of(resident).to(device)
+    config = CompileConfig(mode="blocks", activation_memory_budget=0.5, backend=backend, base_compute="int8")
+    dequantizing = BlockOffloadConductor(offload_fraction=0.5, device=device, offload_dtype="int8")
+    dequantized_slot_bytes = dequantizing.attach(copy_of(resident).to(device).blocks).stats()["slot_bytes"]
+    originals = [[block.fc1.weight, block.fc2.weight] for block in model.blocks]
+    keys = list(model.state_dict())
+    acceleration = compile_accel.apply(model, config)
+    conductor = BlockOffloadConductor(
+        offload_fraction=0.5, device=device, offload_dtype="int8", activation_offload=activation_offload
+    ).attach(model.blocks)
+    streamed = [block.index for block in conductor.blocks if block.streamed]
+    held = [isinstance(block.fc1.weight, Int8Weight) and isinstance(block.fc2.weight, Int8Weight) for block in model.blocks]
+    assert held == [index in streamed for index in range(6)] and len(streamed) == 3
+    assert list(model.state_dict()) == keys
+    # fp32 weights as one byte each and a scale per row in the slots (and their staging buffers,
+    # as before): under half the bytes that dequantized slots take
+    assert conductor.stats()["slot_bytes"] < dequantized_slot_bytes / 2
+    expected_run = _trains_as_resident_int8(model, acceleration, resident, streamed, config, device)
+    assert expected_run.stats()["unique_graphs"] == 1
+    assert acceleration.stats()["base_compute"]["matmuls_in_8_bits"] == 24
+    if activation_offload:
+        assert conductor.stats()["activation_bytes_offloaded"] > 0
+    conductor.remove()
+    for block, expected, weights in zip(model.blocks, resident.blocks, originals, strict=True):
+        assert block.fc1.weight is weights[0] and block.fc2.weight is weights[1]
+        assert torch.equal(block.fc1.weight, expected.fc1.weight) and torch.equal(block.fc2.weight, expected.fc2.weight)
+
+
+def _trains_as_resident_int8(
+    model: nn.Module,
+    acceleration: compile_accel.Acceleration,
+    resident: nn.Module,
+    streamed: list[int],
+    config: CompileConfig,
+    device: str,
+) -> compile_accel.Acceleration:
+    """Three steps of `model` (its blocks `streamed` in int8, their int8 weights multiplied as they
+    are) as `resident` with int8 compute on the int8-rounded weights: the loss within 1e-4, LoRA
+    gradients' cosine above 0.9999; the streamed and the resident blocks run a graph each, none
+    compiled again, nothing eager. The resident run's acceleration."""
+    for index in streamed:
+        int8_round_trip_(resident.blocks[index])
+    expected_run = compile_accel.apply(resident, config)
+    for _ in range(3):
+        inputs = tuple(t.to(device) for t in stack_inputs())
+        loss, grads = step(model, inputs)
+        expected_loss, expected_grads = step(resident, inputs)
+        assert torch.allclose(loss, expected_loss, rtol=1e-4, atol=0)
+        for grad, expected in zip(grads, expected_grads, strict=True):
+            assert torch.cosine_similarity(grad.flatten(), expected.flatten(), dim=0) > 0.9999
+    stats = acceleration.stats()
+    assert stats["unique_graphs"] == 2 and stats["recompiles"] == 0 and not stats["fallbacks"]
+    assert stats["eager_nonresident_calls"] == 0
+    return expected_run
+
+
+def test_int8_streamed_weights_of_blocks_returning_views_of_one_tensor() -> None:
+    """Blocks returning two views of one tensor (as Flux's single-stream blocks), which AOTAutograd
+    does not compile with a tensor subclass input: the second is made a copy of its own in the
+    graph of the streamed blocks, which then train as `_trains_as_resident_int8` says."""
+    resident, model = JointStack(n=6), JointStack(n=6)
+    model.load_state_dict(resident.state_dict())
+    config = CompileConfig(mode="blocks", backend="aot_eager", base_compute="int8")
+    acceleration = compile_accel.apply(model, config)
+    conductor = BlockOffloadConductor(offload_fraction=0.5, device="cpu", offload_dtype="int8").attach(model.blocks)
+    streamed = [block.index for block in conductor.blocks if block.streamed]
+    assert all(isinstance(model.blocks[index].fc1.weight, Int8Weight) for index in streamed)
+    _trains_as_resident_int8(model, acceleration, resident, streamed, config, "cpu")
+
+
+def test_int8_weight_reads_as_its_matrix_and_refuses_changes() -> None:
+    """An Int8Weight computes as its dequantized matrix (what the conductor's dequantize writes);
+    detach keeps its values; an in-place op raises and changes nothing."""
+    weight = torch.randn(8, 12)
+    q, scale = quantize_int8(weight)
+    held = nn.Parameter(Int8Weight(q, scale, torch.float32), requires_grad=False)
+    matrix = dequantize_int8_(torch.empty_like(weight), q, scale)
+    x = torch.randn(3, 12)
+    assert torch.equal(nn.functional.linear(x, held), nn.functional.linear(x, matrix))
+    assert isinstance(held.detach(), Int8Weight) and held.detach().q is q
+    with pytest.raises(RuntimeError, match="remove"):
+        held.mul_(2.0)
+    assert torch.equal(held.q, quantize_int8(weight)[0]) and torch.equal(held.scale, scale)
 
 
 def test_failure_while_moving_weights_puts_the_model_back(monkeypatch) -> None:

@@ -38,6 +38,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from ..backend import compiled_call_running
 from ..checkpointing import under_saved_tensor_checkpoint
+from ..int8_weight import plain_tensors
 from ..stats import warn
 from .layout import ALIGN, aligned
 from .transfers import Transfers
@@ -287,7 +288,7 @@ class ActivationOffload:
             )
         owned = [*block.module.parameters(), *block.module.buffers()]
         owned += [v for m in block.module.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]
-        staying = {t.untyped_storage().data_ptr() for t in (*owned, *outputs)}
+        staying = {plain.untyped_storage().data_ptr() for t in (*owned, *outputs) for plain in plain_tensors(t)}
         self._keep(saving.inputs, [t for t in (ref() for ref in saving.saved) if t is not None], staying)
 
     def _offload_storage(self, block: _BlockActivations, members: list[torch.Tensor]) -> int:

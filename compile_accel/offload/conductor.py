@@ -40,6 +40,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..auto_budget import OffloadLadder, spaced_levels
 from ..blocks import resolve_block_lists
+from ..int8_weight import dequantize
 from ..stats import warn
 from .activations import ActivationOffload
 from .layout import BlockWeights, spread_resident
@@ -66,7 +67,9 @@ class BlockOffloadConductor:
         forward and its backward: its inputs under non-reentrant checkpointing, the tensors its
         forward saves without checkpointing (see `activations.py`).
     offload_dtype: None streams the weights as they are; "int8" stores and sends streamed
-        weight matrices as per-row int8 + scale and dequantizes them on the GPU (lossy).
+        weight matrices as per-row int8 + scale and dequantizes them on the GPU (lossy), but for
+        the base Linear weights of blocks compiled with base_compute="int8" (apply() before
+        attach()), which stay int8 and are multiplied as they are (`layout.py`).
     pin_memory: keep host copies in page-locked memory (allocated once, reused every step);
         if pinning fails the conductor warns and uses pageable memory.
 
@@ -75,7 +78,8 @@ class BlockOffloadConductor:
     undoes it.
 
     While attached, a streamed block's frozen parameters are views of its slot (when loaded) or
-    of host memory (when not); in int8 mode an unloaded one reads as zeros. Trainable parameters
+    of host memory (when not); in int8 mode an unloaded one reads as zeros (an Int8Weight: as
+    its host copy's values). Trainable parameters
     are never touched, so saving LoRA weights is safe; for the base weights call `remove()` first.
     """
 
@@ -168,7 +172,7 @@ class BlockOffloadConductor:
         streamed = int(self.offload_fraction * len(plan) + 0.5)
         resident = spread_resident([b.nbytes for b in plan], len(plan) - streamed)
         for k, block in enumerate(b for b in plan if b.index not in resident):
-            block.streamed, block.slot = True, k % SLOTS
+            block.stream(k % SLOTS)
         start = time.perf_counter()
         host_gib = sum(b.host_nbytes for b in plan if b.streamed) / 2**30
         logger.info("offload: %d of %d blocks to host memory (%.2f GiB)", streamed, len(plan), host_gib)
@@ -185,6 +189,7 @@ class BlockOffloadConductor:
                 self._slots.place(block)
         except BaseException:
             for block in plan:
+                block.release_held()
                 for tensor in (*block.module.parameters(), *block.module.buffers()):
                     tensor.data = originals[id(tensor)]
             self._slots.clear()
@@ -231,7 +236,10 @@ class BlockOffloadConductor:
                 self._slots.release(block)  # restored below
             for entry, view in zip(block.entries, block.device_views, strict=True):
                 layout = self._original_layouts[id(entry.param)]
+                if entry.held_as is not None:
+                    view = dequantize(*view, entry.param.dtype)
                 entry.param.data = torch.empty_like(layout, device=self._original_devices[id(entry.param)]).copy_(view)
+            block.release_held()
             for tensor in block.others:
                 tensor.data = tensor.data.to(self._original_devices[id(tensor)])
         _ATTACHED.discard(self)

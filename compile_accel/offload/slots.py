@@ -8,7 +8,8 @@ before it (which includes the slot's previous block), and a block's compute wait
 
 offload_dtype="int8": the host copy is sent as int8 into the slot's staging buffer and
 dequantized into the slot on the compute stream just before the block runs (one kernel launch
-per block). A copy waits only for the last dequantize out of its staging buffer, never for
+per block; none for the held weights, which are copied into the slot as they are, with the
+weights not quantized). A copy waits only for the last dequantize out of its staging buffer, never for
 compute, so the copy engine runs two blocks ahead.
 """
 
@@ -124,6 +125,6 @@ class Slots:
 
     def _dequantize(self, block: BlockWeights) -> None:
         staging, slot = self.staging[block.slot], self.buffers[block.slot]
-        if block.unquantized_end > ALIGN:
-            slot[ALIGN : block.unquantized_end].copy_(staging[ALIGN : block.unquantized_end])
+        if block.kept_end > ALIGN:
+            slot[ALIGN : block.kept_end].copy_(staging[ALIGN : block.kept_end])
         block.int8(staging, slot)
