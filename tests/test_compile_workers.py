@@ -269,15 +269,20 @@ def test_a_restart_loads_the_graphs_the_workers_compiled_from_inductors_cache(tr
     assert restart["loss"] < TOLERANCE and restart["grads"] < TOLERANCE, restart
 
 
-def _twins_compiled_in_workers(cache: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list, Any, list]:
-    """The one-block-class DiT and its eager twin (same init, LoRA parameters of each), with an
-    empty inductor cache of its own at `cache`: its graphs compile in the workers, not loaded."""
+def _an_empty_inductor_cache(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An inductor cache of the test's own at `cache`: its graphs compile in the workers, not loaded."""
     from torch._inductor.utils import clear_caches
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
     clear_caches()
     torch._dynamo.reset()
     monkeypatch.setattr(compile_workers.POOL, "after_first_step", False)
+
+
+def _twins_compiled_in_workers(cache: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list, Any, list]:
+    """The one-block-class DiT and its eager twin (same init, LoRA parameters of each), with an
+    empty inductor cache of its own at `cache`."""
+    _an_empty_inductor_cache(cache, monkeypatch)
     seed = torch.seed()
     torch.manual_seed(seed)
     model, params = build("kohya", "non-reentrant", **ONE_BLOCK_CLASS)
@@ -308,6 +313,47 @@ def test_graphs_inside_a_trainers_checkpoint_switch_between_steps_not_before_its
                 assert compile_workers.wait() > 0
             grads = torch.autograd.grad(loss, params)
             expected = torch.autograd.grad(eager(*inputs).square().mean(), eager_params)
+            errors.append(max(relative_error(g, e) for g, e in zip(grads, expected, strict=True)))
+            if step == 0:
+                assert acceleration.stats()["worker_graphs_compiled"] == 0  # not switched in that backward
+    finally:
+        gate.open()
+    stats = acceleration.stats()
+    assert stats["worker_graphs_compiled"] == stats["worker_graphs_started"] > 0  # switched at the next step
+    assert stats["worker_failures"] == [] and stats["fallbacks"] == []
+    assert max(errors) < TOLERANCE, errors
+    acceleration.remove()
+    torch._dynamo.reset()
+    clear_caches()
+
+
+def test_budgeted_blocks_still_inside_the_models_checkpoint_switch_between_steps_not_before_its_recompute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks under a budget that the model's own checkpoint still wraps (a checkpoint call in the
+    model's forward, which no switch turns off): a graph back between a step's forward and its
+    backward runs uncompiled in that backward's recompute too, as in the forward (the checkpoint
+    checks that both save the same tensors), and compiled from the next step on."""
+    from torch._inductor.utils import clear_caches
+
+    from offload_stand_ins import Stack, copy_of, stack_inputs, trainable
+
+    _an_empty_inductor_cache(tmp_path, monkeypatch)
+    eager = Stack(n=3)
+    model = copy_of(eager)
+    config = CompileConfig(mode="blocks", activation_memory_budget=0.5, compile_workers=WORKERS)
+    acceleration = compile_accel.apply(model, config)
+    gate = compile_workers.POOL.pool = _GatedPool(compile_workers.POOL.pool)
+    errors = []
+    try:
+        for step in range(3):
+            x, cond = stack_inputs()
+            loss = model(x, cond).square().mean()
+            if step == 0:  # the graph comes back between the forward and its backward
+                gate.open()
+                assert compile_workers.wait() > 0
+            grads = torch.autograd.grad(loss, trainable(model))
+            expected = torch.autograd.grad(eager(x, cond).square().mean(), trainable(eager))
             errors.append(max(relative_error(g, e) for g, e in zip(grads, expected, strict=True)))
             if step == 0:
                 assert acceleration.stats()["worker_graphs_compiled"] == 0  # not switched in that backward

@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
-from ..checkpointing import keep_saved_tensors
+from ..checkpointing import keep_saved_tensors, under_saved_tensor_checkpoint
 from ..stats import Stats, warn
 from .packing import compile_packed, in_runtime_state, runtime_state, set_flags
 from .pool import POOL, compiles_here
@@ -135,8 +135,9 @@ class WorkerGraph:
     compiled here.
 
     checkpointed: the graph runs under a checkpoint of its own until compiled (a budget replaced
-    the block's checkpointing), and may switch at any call. Otherwise a trainer's checkpoint may
-    run it again in the backward, so it switches only at a call after `step_started`. runtime:
+    the block's checkpointing), and may switch at any call outside a trainer's non-reentrant
+    checkpoint. Otherwise, or inside one, a trainer's checkpoint may run it again in the backward,
+    so it switches only at a call after `step_started`. runtime:
     grad mode, autocast, ... as the graph was handed over (`packing.runtime_state`), which its
     compile here is under. cuda_graphs: compiled to replay as a CUDA graph."""
 
@@ -172,7 +173,14 @@ class WorkerGraph:
     def __call__(self, *inputs: Any) -> Any:
         if id(self._stats) not in HANDED_OVER.held and (
             self.state is GraphState.BACK
-            or (self.state is GraphState.COMPILING and self._checkpointed and self.future.done())
+            or (
+                self.state is GraphState.COMPILING
+                and self._checkpointed
+                and self.future.done()
+                # (a checkpoint the budget could not switch off, around the block, would recompute
+                # it in the backward: it must run as in the forward)
+                and not under_saved_tensor_checkpoint()
+            )
         ):
             self.switch()
         if self._compiled is not None:
