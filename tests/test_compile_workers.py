@@ -298,33 +298,9 @@ def test_graphs_inside_a_trainers_checkpoint_switch_between_steps_not_before_its
     until a graph is back it runs uncompiled, its checkpoint a real one, which recomputes it in the
     backward and checks that it saves what the forward saved. Graphs that come back between a
     step's forward and its backward run uncompiled in that backward too."""
-    from torch._inductor.utils import clear_caches
-
     model, params, eager, eager_params = _twins_compiled_in_workers(tmp_path, monkeypatch)
     acceleration = compile_accel.apply(model, CompileConfig(mode="selective", compile_workers=WORKERS))
-    gate = compile_workers.POOL.pool = _GatedPool(compile_workers.POOL.pool)
-    errors = []
-    try:
-        for step in range(3):
-            inputs = inputs_for(model)
-            loss = model(*inputs).square().mean()
-            if step == 0:  # every graph comes back between the forward and its backward
-                gate.open()
-                assert compile_workers.wait() > 0
-            grads = torch.autograd.grad(loss, params)
-            expected = torch.autograd.grad(eager(*inputs).square().mean(), eager_params)
-            errors.append(max(relative_error(g, e) for g, e in zip(grads, expected, strict=True)))
-            if step == 0:
-                assert acceleration.stats()["worker_graphs_compiled"] == 0  # not switched in that backward
-    finally:
-        gate.open()
-    stats = acceleration.stats()
-    assert stats["worker_graphs_compiled"] == stats["worker_graphs_started"] > 0  # switched at the next step
-    assert stats["worker_failures"] == [] and stats["fallbacks"] == []
-    assert max(errors) < TOLERANCE, errors
-    acceleration.remove()
-    torch._dynamo.reset()
-    clear_caches()
+    _back_between_the_first_forward_and_backward(acceleration, model, params, eager, eager_params, inputs_for)
 
 
 def test_budgeted_blocks_still_inside_the_models_checkpoint_switch_between_steps_not_before_its_recompute(
@@ -334,8 +310,6 @@ def test_budgeted_blocks_still_inside_the_models_checkpoint_switch_between_steps
     model's forward, which no switch turns off): a graph back between a step's forward and its
     backward runs uncompiled in that backward's recompute too, as in the forward (the checkpoint
     checks that both save the same tensors), and compiled from the next step on."""
-    from torch._inductor.utils import clear_caches
-
     from offload_stand_ins import Stack, copy_of, stack_inputs, trainable
 
     _an_empty_inductor_cache(tmp_path, monkeypatch)
@@ -343,17 +317,34 @@ def test_budgeted_blocks_still_inside_the_models_checkpoint_switch_between_steps
     model = copy_of(eager)
     config = CompileConfig(mode="blocks", activation_memory_budget=0.5, compile_workers=WORKERS)
     acceleration = compile_accel.apply(model, config)
+    inputs = lambda model: stack_inputs()  # noqa: E731
+    _back_between_the_first_forward_and_backward(acceleration, model, trainable(model), eager, trainable(eager), inputs)
+
+
+def _back_between_the_first_forward_and_backward(
+    acceleration: compile_accel.Acceleration,
+    model: nn.Module,
+    params: list[torch.Tensor],
+    eager: nn.Module,
+    eager_params: list[torch.Tensor],
+    make_inputs: Callable[[nn.Module], tuple],
+) -> None:
+    """Three steps of `model` (compiled in gated workers) against `eager`, every graph back from
+    its worker between the first step's forward and backward: that backward runs none compiled,
+    the next steps run all; LoRA gradients within TOLERANCE of eager's throughout."""
+    from torch._inductor.utils import clear_caches
+
     gate = compile_workers.POOL.pool = _GatedPool(compile_workers.POOL.pool)
     errors = []
     try:
         for step in range(3):
-            x, cond = stack_inputs()
-            loss = model(x, cond).square().mean()
-            if step == 0:  # the graph comes back between the forward and its backward
+            inputs = make_inputs(model)
+            loss = model(*inputs).square().mean()
+            if step == 0:  # every graph comes back between the forward and its backward
                 gate.open()
                 assert compile_workers.wait() > 0
-            grads = torch.autograd.grad(loss, trainable(model))
-            expected = torch.autograd.grad(eager(x, cond).square().mean(), trainable(eager))
+            grads = torch.autograd.grad(loss, params)
+            expected = torch.autograd.grad(eager(*inputs).square().mean(), eager_params)
             errors.append(max(relative_error(g, e) for g, e in zip(grads, expected, strict=True)))
             if step == 0:
                 assert acceleration.stats()["worker_graphs_compiled"] == 0  # not switched in that backward
