@@ -355,7 +355,7 @@ class RegionBackend:
         rewrite_attention(gm)  # reads traced values of nodes the next rewrite replaces
         if self.base_linears is not None:
             rewrite_base_linears(gm, example_inputs, self.base_linears)
-            separate_aliased_outputs(gm, example_inputs)
+        separate_aliased_outputs(gm, example_inputs)  # (held int8 weights stay after the acceleration)
 
     def for_precompile(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         """This backend as torch's aot_compile calls it (compile_accel.precompile): the same

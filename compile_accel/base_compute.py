@@ -54,7 +54,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import int8, int8_matmul, int8_weight
 from .int8 import quantize_int8
 from .int8_matmul import scaled_int8_mm
-from .int8_weight import Int8Weight, dequantize
+from .int8_weight import Int8Weight
 from .selective import RegionSpec, is_excluded
 
 IN_8_BITS = "in 8 bits"  # the outcome of a layer whose matmuls run in 8 bits
@@ -206,7 +206,7 @@ def _linear_function(compute: str) -> type[torch.autograd.Function]:
             # what quantize_int8 makes of the weight: its values are multiplied as they are.
             held = compute == "int8" and isinstance(weight, Int8Weight)
             ctx.save_for_backward(*((weight.q, weight.scale) if held else (weight,)))
-            ctx.in_dtype, ctx.in_8_bits, ctx.weight_dtype = x.dtype, input_gradient_in_8_bits, weight.dtype
+            ctx.in_dtype, ctx.in_8_bits = x.dtype, input_gradient_in_8_bits
             if not forward_in_8_bits:
                 bias = None if bias is None else bias.to(out_dtype)
                 return F.linear(x.to(out_dtype), weight.to(out_dtype), bias)
@@ -220,8 +220,10 @@ def _linear_function(compute: str) -> type[torch.autograd.Function]:
             if len(saved) == 2:  # an Int8Weight's values and row scales
                 q, scale = saved
                 if not ctx.in_8_bits:
-                    weight = dequantize(q, scale, ctx.weight_dtype).to(grad.dtype)
-                    return torch.matmul(grad, weight).to(ctx.in_dtype), *none
+                    # dY·diag(scale)·Q, not the forward's dequantized matrix (which the compiler
+                    # would otherwise keep from the forward: a dense copy per layer until backward)
+                    folded = (grad.float() * scale).to(grad.dtype)
+                    return torch.matmul(folded, q.to(grad.dtype)).to(ctx.in_dtype), *none
                 # dX = dY·W = (dY · diag(scale))·Q: the row scales fold into dY before it is quantized.
                 ones = torch.ones(q.shape[1], dtype=torch.float32, device=q.device)
                 grad_x = form.product(*form.rows(grad * scale), q.t().contiguous(), ones, None, ctx.in_dtype)

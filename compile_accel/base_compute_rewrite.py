@@ -15,6 +15,7 @@ import torch.fx
 import torch.nn as nn
 
 from .base_compute import IN_8_BITS, LINEARS, BaseLinears, why_not_8_bits
+from .int8_weight import Int8Weight
 
 
 def _linear_arguments(node: torch.fx.Node) -> tuple[Any, Any, Any]:
@@ -74,7 +75,9 @@ def _rewrite_linear(
         return False
     why = why_not_8_bits(base_linears.compute, x, weight, bias)
     base_linears.record(weight, bias, tuple(reason or IN_8_BITS for reason in why))
-    if all(why):
+    # (an Int8Weight's call is rewritten with both products in its dtype too: its backward then
+    # multiplies its int8 values, and no dequantized copy is saved for it)
+    if all(why) and not isinstance(weight, Int8Weight):
         return False
     x_node, weight_node, bias_node = _linear_arguments(node)
     with gm.graph.inserting_before(node):

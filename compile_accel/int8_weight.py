@@ -89,7 +89,9 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     """Per-row int8 values `q` times their row's fp32 `scale`, computed in fp32 and rounded once to
     `dtype`: what `compile_accel.int8.dequantize_int8_` writes."""
     rows = q.shape[0]
-    return (q.reshape(rows, -1).float() * scale[:, None]).to(dtype).reshape(q.shape)
+    # (one multiplication, int8 by fp32: no conversion of q of its own, which a compiler would
+    # merge with int8_linear's backward's and keep from the forward)
+    return (q.reshape(rows, -1) * scale[:, None]).to(dtype).reshape(q.shape)
 
 
 def plain_tensors(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from conftest import build, inputs_for, lora_step
+from conftest import build, inputs_for, lora_step, relative_error
 from torch.utils.checkpoint import checkpoint
 
 import compile_accel
-from compile_accel import CompileConfig, offload
+from compile_accel import CompileConfig, base_compute_rewrite, offload
 from compile_accel.int8 import Int8Matrices, Int8Matrix, dequantize_int8_, quantize_int8
 from compile_accel.int8_weight import Int8Weight
 from compile_accel.offload import BlockOffloadConductor, layout
@@ -580,6 +580,39 @@ def test_int8_streamed_weights_of_blocks_returning_views_of_one_tensor() -> None
     streamed = [block.index for block in conductor.blocks if block.streamed]
     assert all(isinstance(model.blocks[index].fc1.weight, Int8Weight) for index in streamed)
     _trains_as_resident_int8(model, acceleration, resident, streamed, config, "cpu")
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_held_weight_whose_products_stay_in_its_dtype_keeps_no_dense_copy_for_backward(
+    backend: str, monkeypatch
+) -> None:
+    """Where both products of a held layer stay in its dtype (on CUDA: a call of too few input
+    rows), the call still goes through int8_linear, whose backward multiplies the int8 values with
+    the row scales folded into dY: nothing the step saves for backward is a dequantized copy of a
+    base weight, and the LoRA gradients are those of the same blocks run eager on the int8-rounded
+    weights (1e-5). (inductor: the forward's dequantize and the backward's conversion of the
+    int8 values share no node, which its partitioner would keep from the forward.)"""
+    monkeypatch.setattr(base_compute_rewrite, "why_not_8_bits", lambda *args: ("stays (test)",) * 2)
+    resident = Stack(n=4, checkpointing=None)
+    model = copy_of(resident)
+    acceleration = compile_accel.apply(model, CompileConfig(mode="blocks", backend=backend, base_compute="int8"))
+    BlockOffloadConductor(offload_fraction=1.0, device="cpu", offload_dtype="int8").attach(model.blocks)
+    int8_round_trip_(resident)
+    step(model, stack_inputs(batch=1))
+    shapes = {tuple(block.fc1.weight.shape) for block in model.blocks} | {tuple(model.blocks[0].fc2.weight.shape)}
+    dense = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_floating_point() and tuple(tensor.shape) in shapes:  # (batch 1: no activation of those shapes)
+            dense.append(tuple(tensor.shape))
+        return tensor
+
+    inputs = stack_inputs(batch=1)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss, grads = step(model, inputs)
+    _, expected = step(resident, inputs)
+    assert dense == [] and acceleration.stats()["base_compute"]["matmuls_in_8_bits"] == 0
+    assert all(relative_error(g, e) < 1e-5 for g, e in zip(grads, expected, strict=True))
 
 
 def test_int8_weight_reads_as_its_matrix_and_refuses_changes() -> None:

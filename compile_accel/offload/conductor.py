@@ -198,7 +198,9 @@ class BlockOffloadConductor:
         self.blocks = plan
         self._activations.attach(named)
         self._attached_as = (blocks, hooks)
-        self._owned = {id(t) for block in plan for t in (*block.module.modules(), *block.module.parameters())}
+        # (the frozen parameters as attach() found them: a held one's stands aside while attached)
+        owned = (t for block in plan for t in (*block.module.modules(), *block.module.parameters(), *block.frozen))
+        self._owned = {id(t) for t in owned}
         _ATTACHED.add(self)
         self._generation += 1
         if hooks:
