@@ -12,7 +12,6 @@ import torch
 import torch.nn as nn
 from conftest import lora_step
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils.checkpoint import checkpoint
 
 import compile_accel
 from compile_accel import CompileConfig

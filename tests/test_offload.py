@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn as nn
 from conftest import build, inputs_for, lora_step, relative_error
-from torch.utils.checkpoint import checkpoint
 
 import compile_accel
 from compile_accel import CompileConfig, base_compute_rewrite, offload
@@ -613,6 +612,20 @@ def test_a_held_weight_whose_products_stay_in_its_dtype_keeps_no_dense_copy_for_
     _, expected = step(resident, inputs)
     assert dense == [] and acceleration.stats()["base_compute"]["matmuls_in_8_bits"] == 0
     assert all(relative_error(g, e) < 1e-5 for g, e in zip(grads, expected, strict=True))
+
+
+def test_a_module_tied_to_a_held_weights_original_is_refused_by_another_conductor() -> None:
+    """The conductor owns the parameters attach() found, a held weight's original included (which
+    stands aside in the conductor while an Int8Weight takes its place): a module outside the
+    blocks tied to it cannot be attached to a second conductor."""
+    model = Stack(n=2, checkpointing=None)
+    compile_accel.apply(model, CompileConfig(mode="blocks", backend="aot_eager", base_compute="int8"))
+    tied = nn.Linear(DIM, 4 * DIM).requires_grad_(False)
+    tied.weight = model.blocks[0].fc1.weight
+    BlockOffloadConductor(offload_fraction=1.0, device="cpu", offload_dtype="int8").attach(model.blocks)
+    assert isinstance(model.blocks[0].fc1.weight, Int8Weight)
+    with pytest.raises(RuntimeError, match="already attached to another BlockOffloadConductor"):
+        BlockOffloadConductor(device="cpu").attach([tied])
 
 
 def test_int8_weight_reads_as_its_matrix_and_refuses_changes() -> None:

@@ -8,7 +8,6 @@ import concurrent.futures
 import errno
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
