@@ -63,8 +63,8 @@ def _rewrite_linear(
     gm: torch.fx.GraphModule, node: torch.fx.Node, values: dict[torch.fx.Node, Any], base_linears: BaseLinears
 ) -> bool:
     """Replace one F.linear call by base_linears.compute's 8-bit linear if its weight is a base
-    weight one of whose products can run in 8 bits; whether it did. The outcome of each product
-    of a base weight is recorded (a reason where it stays)."""
+    weight one of whose products can run in 8 bits, or a held Int8Weight; whether it did. The
+    outcome of each product of a base weight is recorded (a reason where it stays)."""
     x, weight, bias = (_value(arg, values) for arg in _linear_arguments(node))
     if (
         not isinstance(weight, nn.Parameter)

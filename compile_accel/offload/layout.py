@@ -70,7 +70,7 @@ class BlockWeights:
         self.frozen = [p for p in module.parameters() if not p.requires_grad]
         self.others = [p for p in module.parameters() if p.requires_grad] + list(module.buffers())
         owners: dict[int, list[tuple[nn.Module, str]]] = {}
-        for path, sub in module.named_modules(remove_duplicate=False):
+        for _, sub in module.named_modules(remove_duplicate=False):
             for attribute, p in sub.named_parameters(recurse=False):
                 owners.setdefault(id(p), []).append((sub, attribute))
         self.entries = []
@@ -79,6 +79,7 @@ class BlockWeights:
             # (a parameter registered twice in the block, tied, cannot be replaced in one place)
             held = quantized and p.dim() == 2 and len(owners[id(p)]) == 1 and multiplied_in_int8(p)
             self.entries.append(WeightEntry(p, owners[id(p)][0], quantized, held))
+        self.int8: Int8Matrices | None = None  # int8 mode, streamed: how to dequantize the staging buffer
         self.streamed = False
         self.slot: int | None = None
         self._lay_out()
@@ -138,8 +139,12 @@ class BlockWeights:
         block's into `device_buffer` (its `home`), a streamed block's into its host copy, with
         views of `device_buffer` (its slot) for when it is loaded; a held weight's layer gets an
         Int8Weight made on `device` in its parameter's place."""
-        self.device_views = [_views(device_buffer, e) if e.held and self.streamed else
-                             view_bytes(device_buffer, e.offset, e.param, e.param.dtype) for e in self.entries]
+        self.device_views = [
+            _views(device_buffer, e)
+            if e.held and self.streamed
+            else view_bytes(device_buffer, e.offset, e.param, e.param.dtype)
+            for e in self.entries
+        ]
         if not self.streamed:
             for entry, view in zip(self.entries, self.device_views, strict=True):
                 view.copy_(entry.param.data)
