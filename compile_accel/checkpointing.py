@@ -145,9 +145,16 @@ def past_the_checkpoint() -> Iterator[None]:
 
 
 def _kept(tensor: torch.Tensor) -> torch.Tensor:
+    # Detached: a saved output kept as itself holds its own grad_fn, a cycle through autograd's
+    # C++ graph that Python's gc never collects. A graph dropped without its backward (the accuracy
+    # check's run of a block without LoRA) then stayed in memory for good: 0.39 GiB on SDXL.
+    return tensor.detach()
+
+
+def _unpacked(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
 def keep_saved_tensors() -> torch.autograd.graph.saved_tensors_hooks:
     """Tensors saved inside stay with what saved them, out of an eager checkpoint's reach."""
-    return torch.autograd.graph.saved_tensors_hooks(_kept, _kept)
+    return torch.autograd.graph.saved_tensors_hooks(_kept, _unpacked)
