@@ -9,8 +9,8 @@ Eager is the reference of the same block compiled without base_compute, which ma
 from __future__ import annotations
 
 import copy
-import gc
 import dataclasses
+import gc
 import math
 from collections.abc import Callable
 from pathlib import Path
