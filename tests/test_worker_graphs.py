@@ -6,6 +6,7 @@ the worker's result cannot be loaded, and wait_and_load. Stand-in graphs and com
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import gc
 import threading
 import time
@@ -17,6 +18,8 @@ import pytest
 import torch
 from worker_stand_ins import WorkerError, as_traced, loaded_by_hand, returned_future, sine, traced_graph, worker_report
 from torch import nn
+from torch._functorch.aot_autograd import aot_module_simplified
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from compile_accel import compile_workers
 from compile_accel.compile_profile import CompileClock
@@ -455,3 +458,38 @@ def test_a_worker_compiles_under_the_training_process_grad_mode_autocast_and_fla
         for (module, name), value in zip(flags, before, strict=True):
             setattr(module, name, value)
     assert torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
+
+
+_AOT_OPS: list[set] = []  # the ops of each forward graph `_aot_ops_noted` compiled
+
+
+def _aot_ops_noted(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    """A compiler (picklable, as a job's is) noting the ops of AOTAutograd's forward graph."""
+
+    def forward(graph: torch.fx.GraphModule, _: list) -> Callable:
+        _AOT_OPS.append({node.target for node in graph.graph.nodes if node.op == "call_function"})
+        return graph.forward
+
+    return aot_module_simplified(gm, example_inputs, fw_compiler=forward)
+
+
+@pytest.mark.parametrize("allowed", [None, [SDPBackend.MATH]], ids=["defaults", "math-only"])
+def test_a_worker_compiles_attention_with_the_kernels_the_training_process_allows(
+    allowed: list | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """AOTAutograd's trace puts the attention kernel it chooses in the graph (its cache key does
+    not hold the choice): a worker, whose flags are torch's defaults, chooses under the training
+    process's. (The diffusers Flux bench turns cuDNN's off; workers that did not compiled it in.)"""
+    q = torch.randn(1, 2, 8, 16, requires_grad=True)
+    gm, inputs = traced_graph(lambda t: torch.nn.functional.scaled_dot_product_attention(t, t, t), q)
+    with sdpa_kernel(allowed) if allowed else contextlib.nullcontext():
+        job = compile_workers.packing.job(compile_workers.packing.pack_graph(gm, inputs), _aot_ops_noted)
+    monkeypatch.setattr(compile_workers.worker, "get_ready", lambda: None)  # (no kernel pool here)
+    _AOT_OPS.clear()
+    defaults = compile_workers.packing.runtime_state()
+    try:  # under torch's default flags, as a worker starts (which keeps the job's flags after)
+        compile_workers.worker.compile_job(job, {})
+    finally:
+        compile_workers.packing.set_flags(defaults)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert (flash in _AOT_OPS[0]) is (allowed is None)

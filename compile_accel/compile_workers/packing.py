@@ -41,6 +41,29 @@ def precision_flags() -> list[tuple[Any, str]]:
     ]
 
 
+# The attention kernels scaled_dot_product_attention may choose: AOTAutograd's trace picks one
+# into the graph, and its cache key does not hold them, so a worker must choose as the training
+# process would. (The diffusers Flux bench turns cuDNN's off; workers that left it on compiled
+# cuDNN attention into graphs whose backward failed on an H200: an illegal memory access.)
+_ATTENTION_BACKENDS = ("flash", "mem_efficient", "math", "cudnn")
+
+
+def _attention_backends() -> dict[str, Any]:
+    cuda = torch.backends.cuda
+    state: dict[str, Any] = {name: getattr(cuda, f"{name}_sdp_enabled")() for name in _ATTENTION_BACKENDS}
+    state["fp16_bf16_reduction_math"] = cuda.fp16_bf16_reduction_math_sdp_allowed()
+    state["priority"] = list(torch._C._get_sdp_priority_order())  # (sdpa_kernel's set_priority)
+    return state
+
+
+def _set_attention_backends(state: dict[str, Any]) -> None:
+    cuda = torch.backends.cuda
+    for name in _ATTENTION_BACKENDS:
+        getattr(cuda, f"enable_{name}_sdp")(state[name])
+    cuda.allow_fp16_bf16_reduction_math_sdp(state["fp16_bf16_reduction_math"])
+    torch._C._set_sdp_priority_order(state["priority"])
+
+
 def runtime_state() -> dict[str, Any]:
     return {
         "grad": torch.is_grad_enabled(),
@@ -49,6 +72,7 @@ def runtime_state() -> dict[str, Any]:
         "fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory,
         "default_dtype": torch.get_default_dtype(),
         "precision": [getattr(module, name) for module, name in precision_flags()],
+        "attention": _attention_backends(),
     }
 
 
@@ -59,6 +83,7 @@ def set_flags(state: dict[str, Any]) -> None:
     for (module, name), value in zip(precision_flags(), state["precision"], strict=True):
         if getattr(module, name) != value:  # (setting one flag can change another's reading)
             setattr(module, name, value)
+    _set_attention_backends(state["attention"])
 
 
 @contextlib.contextmanager
