@@ -73,6 +73,11 @@ class Int8Weight(torch.Tensor):
         if func in _ALIASES:  # a parameter's detach() (nn.Module.state_dict, optimizers): the same values
             weight = args[0]
             return Int8Weight(weight.q, weight.scale, weight.dtype, weight.device)
+        if func is torch.ops.aten.empty_like.default and kwargs.get("device") == torch.device("meta"):
+            # its layout without its values, as dynamo saves a precompiled graph's guards on it
+            weight = args[0]
+            meta = [torch.empty_like(t, device="meta") for t in (weight.q, weight.scale)]
+            return Int8Weight(*meta, weight.dtype)
         if func._schema.is_mutable and any(
             isinstance(value, Int8Weight) and argument.alias_info is not None and argument.alias_info.is_write
             for argument, value in zip(func._schema.arguments, args)

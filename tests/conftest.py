@@ -84,6 +84,16 @@ def compile_workers_first_step(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compile_workers.POOL, "exited", None)
 
 
+def an_empty_inductor_cache(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An inductor cache of the test's own at `cache`: its graphs compile in the workers, not loaded."""
+    from torch._inductor.utils import clear_caches
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    clear_caches()
+    torch._dynamo.reset()
+    monkeypatch.setattr(compile_workers.POOL, "after_first_step", False)
+
+
 @pytest.fixture(autouse=True)
 def gc_unfrozen():
     """The launcher and the bench freeze what is alive after a first step (compile_accel.gc_freeze):

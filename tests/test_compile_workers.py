@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from conftest import ONE_BLOCK_CLASS, build, inputs_for, lora_step, relative_error
+from conftest import ONE_BLOCK_CLASS, an_empty_inductor_cache, build, inputs_for, lora_step, relative_error
 from torch import nn
 
 import compile_accel
@@ -218,7 +218,7 @@ def test_training_with_workers_matches_eager_before_and_after_the_compiled_graph
 RESTART = """
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
-from conftest import ONE_BLOCK_CLASS, build, inputs_for, lora_step, relative_error
+from conftest import ONE_BLOCK_CLASS, an_empty_inductor_cache, build, inputs_for, lora_step, relative_error
 import compile_accel
 from compile_accel import CompileConfig, compile_workers
 torch.manual_seed(int(sys.argv[3]))
@@ -269,20 +269,10 @@ def test_a_restart_loads_the_graphs_the_workers_compiled_from_inductors_cache(tr
     assert restart["loss"] < TOLERANCE and restart["grads"] < TOLERANCE, restart
 
 
-def _an_empty_inductor_cache(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An inductor cache of the test's own at `cache`: its graphs compile in the workers, not loaded."""
-    from torch._inductor.utils import clear_caches
-
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
-    clear_caches()
-    torch._dynamo.reset()
-    monkeypatch.setattr(compile_workers.POOL, "after_first_step", False)
-
-
 def _twins_compiled_in_workers(cache: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list, Any, list]:
     """The one-block-class DiT and its eager twin (same init, LoRA parameters of each), with an
     empty inductor cache of its own at `cache`."""
-    _an_empty_inductor_cache(cache, monkeypatch)
+    an_empty_inductor_cache(cache, monkeypatch)
     seed = torch.seed()
     torch.manual_seed(seed)
     model, params = build("kohya", "non-reentrant", **ONE_BLOCK_CLASS)
@@ -312,7 +302,7 @@ def test_budgeted_blocks_still_inside_the_models_checkpoint_switch_between_steps
     checks that both save the same tensors), and compiled from the next step on."""
     from offload_stand_ins import Stack, copy_of, stack_inputs, trainable
 
-    _an_empty_inductor_cache(tmp_path, monkeypatch)
+    an_empty_inductor_cache(tmp_path, monkeypatch)
     eager = Stack(n=3)
     model = copy_of(eager)
     config = CompileConfig(mode="blocks", activation_memory_budget=0.5, compile_workers=WORKERS)

@@ -5,13 +5,20 @@ and bad input that changes nothing. Activation offload: tests/test_activation_of
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn as nn
-from conftest import build, inputs_for, lora_step, relative_error
+from conftest import an_empty_inductor_cache, build, inputs_for, lora_step, relative_error
 
 import compile_accel
-from compile_accel import CompileConfig, base_compute_rewrite, offload
+from compile_accel import CompileConfig, base_compute_rewrite, compile_workers, offload, precompile
+from compile_accel.compile_cache import RunCompileCache
+from compile_accel.dynamo_settings import HAS_CACHE_ARTIFACTS
 from compile_accel.int8 import Int8Matrices, Int8Matrix, dequantize_int8_, quantize_int8
 from compile_accel.int8_weight import Int8Weight
 from compile_accel.offload import BlockOffloadConductor, layout
@@ -546,25 +553,72 @@ def _trains_as_resident_int8(
     streamed: list[int],
     config: CompileConfig,
     device: str,
+    graphs: int = 2,
+    after_first_step: Callable[[], None] = lambda: None,
 ) -> compile_accel.Acceleration:
     """Three steps of `model` (its blocks `streamed` in int8, their int8 weights multiplied as they
     are) as `resident` with int8 compute on the int8-rounded weights: the loss within 1e-4, LoRA
     gradients' cosine above 0.9999; the streamed and the resident blocks run a graph each, none
-    compiled again, nothing eager. The resident run's acceleration."""
+    compiled again (`graphs` compiled in all: none where they ran precompiled), nothing eager. The
+    resident run's acceleration."""
     for index in streamed:
         int8_round_trip_(resident.blocks[index])
     expected_run = compile_accel.apply(resident, config)
-    for _ in range(3):
+    for index in range(3):
         inputs = tuple(t.to(device) for t in stack_inputs())
         loss, grads = step(model, inputs)
         expected_loss, expected_grads = step(resident, inputs)
         assert torch.allclose(loss, expected_loss, rtol=1e-4, atol=0)
         for grad, expected in zip(grads, expected_grads, strict=True):
             assert torch.cosine_similarity(grad.flatten(), expected.flatten(), dim=0) > 0.9999
+        if index == 0:
+            after_first_step()
     stats = acceleration.stats()
-    assert stats["unique_graphs"] == 2 and stats["recompiles"] == 0 and not stats["fallbacks"]
+    assert stats["unique_graphs"] == graphs and stats["recompiles"] == 0 and not stats["fallbacks"]
     assert stats["eager_nonresident_calls"] == 0
     return expected_run
+
+
+@pytest.mark.skipif(
+    not (precompile.SUPPORTED and HAS_CACHE_ARTIFACTS and compile_workers.SUPPORTED),
+    reason="needs torch's aot_compile, cache artifacts and compile workers",
+)
+def test_held_weights_graphs_compile_in_the_workers_and_run_precompiled_at_the_next_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The graphs of streamed blocks whose weights are held in int8 (Int8Weight inputs) go to the
+    compile workers as the resident blocks' graph does, and are precompiled: a new start runs both
+    without compiling any. Each start trains as the same blocks resident with int8 compute."""
+    monkeypatch.setenv("COMPILE_ACCEL_CACHE_DIR", str(tmp_path / "runs"))
+    an_empty_inductor_cache(tmp_path / "inductor", monkeypatch)
+    config = CompileConfig(mode="blocks", activation_memory_budget=0.5, base_compute="int8", compile_workers=2)
+    reference = dataclasses.replace(config, compile_workers=0)
+
+    def start() -> tuple[nn.Module, nn.Module, compile_accel.Acceleration, RunCompileCache, list[int]]:
+        torch._dynamo.reset()
+        resident = Stack(n=6, checkpointing=None)
+        model = copy_of(resident)
+        acceleration = compile_accel.apply(model, config)
+        conductor = BlockOffloadConductor(offload_fraction=0.5, device="cpu", offload_dtype="int8").attach(model.blocks)
+        cache = RunCompileCache(model, acceleration.signature, acceleration)
+        return model, resident, acceleration, cache, [block.index for block in conductor.blocks if block.streamed]
+
+    model, resident, acceleration, cache, streamed = start()
+    with warnings.catch_warnings(record=True) as caught:  # (one would say a graph compiled here, or its first run failed)
+        warnings.simplefilter("always")
+        # (the steps after the first run what the workers compiled, each run once on stand-ins first)
+        _trains_as_resident_int8(
+            model, acceleration, resident, streamed, reference, "cpu", after_first_step=compile_workers.wait_and_load
+        )
+    assert not [w.message for w in caught if "compile_accel:" in str(w.message)]
+    stats = acceleration.stats()
+    assert stats["worker_graphs_compiled"] == stats["worker_graphs_started"] == 2 and not stats["worker_failures"]
+    cache.save()
+    assert cache.precompiling.join(timeout=600) == 2
+
+    model, resident, acceleration, cache, streamed = start()
+    _trains_as_resident_int8(model, acceleration, resident, streamed, reference, "cpu", graphs=0)
+    assert cache.precompiled_loaded == 2 and sum(f.precompiled.used for f in acceleration.functions) == 2
 
 
 def test_int8_streamed_weights_of_blocks_returning_views_of_one_tensor() -> None:

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.checkpoint import checkpoint
 
 from ..checkpointing import keep_saved_tensors, under_saved_tensor_checkpoint
@@ -325,7 +326,12 @@ def _timeline(**times: float) -> dict[str, float]:
 
 
 def _zeros_like(fake: torch.Tensor) -> torch.Tensor:
-    """A real tensor of `fake`'s shape, strides, dtype and device, zeros, a leaf needing grad as it did."""
+    """A real tensor of `fake`'s shape, strides, dtype and device, zeros, a leaf needing grad as it did;
+    of its subclass (an Int8Weight) over zeros where it is a wrapper."""
+    if is_traceable_wrapper_subclass(fake):
+        names, meta = fake.__tensor_flatten__()
+        inner = {name: _zeros_like(getattr(fake, name)) for name in names}
+        return type(fake).__tensor_unflatten__(inner, meta, fake.shape, fake.stride())
     zeros = torch.empty_strided(fake.shape, fake.stride(), dtype=fake.dtype, device=fake.device).zero_()
     return zeros.requires_grad_(fake.requires_grad)
 

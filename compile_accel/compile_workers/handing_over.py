@@ -87,7 +87,7 @@ class WorkerPrecompiled:
 def precompile_in_workers(gm: torch.fx.GraphModule, example_inputs: list[Any], compiler: Callable) -> WorkerPrecompiled:
     """What the precompile backend returns for `gm` (inside torch's aot_compile, whose settings
     the worker compiles under): the graph handed to a worker. RuntimeError for a graph that
-    cannot go (symbolic shapes, tensor subclasses, an op the pickler refuses)."""
+    cannot go (symbolic shapes, a tensor subclass that is no traceable wrapper, an op the pickler refuses)."""
     from torch._dynamo.aot_compile_types import SerializableCallable
 
     SerializableCallable.register(WorkerPrecompiled)  # what aot_compile takes

@@ -8,12 +8,14 @@ from __future__ import annotations
 import contextlib
 import pickle
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch._functorch.config
 import torch._inductor.config
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 try:  # torch >= 2.8: the graph pickler (fake tensors included) and AOTAutograd's cache lookup
     from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache, check_cacheable
@@ -116,10 +118,34 @@ def _kept_meta(meta: dict[str, Any]) -> dict[str, Any]:
     return kept
 
 
-def _stand_in(fake_mode: FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:
+@dataclass
+class WrapperStandIn:
+    """An input of a traceable wrapper subclass (an offloaded block's Int8Weight,
+    compile_accel.int8_weight) as fakes of its inner tensors: torch's pickler takes fakes of
+    plain tensors only. `rebuilt()` is the subclass over them, as dynamo's fake of it was."""
+
+    cls: type
+    inner: dict[str, torch.Tensor]
+    meta: Any
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    def rebuilt(self) -> torch.Tensor:
+        return self.cls.__tensor_unflatten__(self.inner, self.meta, self.size, self.stride)
+
+
+def _is_plain(tensor: torch.Tensor) -> bool:
+    return type(tensor) in (torch.Tensor, torch.nn.Parameter)
+
+
+def _stand_in(fake_mode: FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor | WrapperStandIn:
     """A fake of `tensor`, static shapes, without its `.grad`: a parameter's gradient (accumulated
     over micro-batches, or not zeroed yet after a step) is no input of the graph, and its fake does
     not pickle."""
+    if not _is_plain(tensor):
+        names, meta = tensor.__tensor_flatten__()
+        inner = {name: _stand_in(fake_mode, getattr(tensor, name)) for name in names}
+        return WrapperStandIn(type(tensor), inner, meta, tuple(tensor.shape), tuple(tensor.stride()))
     fake = fake_mode.from_tensor(tensor, static_shapes=True)
     fake.grad = None
     return fake
@@ -130,8 +156,8 @@ def pack_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> bytes | s
     module, as bytes for a worker; or why it cannot go (a string)."""
     if any(not isinstance(x, torch.Tensor) for x in example_inputs):
         return "it has non-tensor inputs (symbolic shapes)"
-    if any(type(x) not in (torch.Tensor, torch.nn.Parameter) for x in example_inputs):
-        return "it has tensor-subclass inputs"
+    if any(not (_is_plain(x) or is_traceable_wrapper_subclass(x)) for x in example_inputs):
+        return "it has inputs of a tensor subclass that is no traceable wrapper"
     try:  # what a worker compiles comes back through AOTAutograd's cache only
         check_cacheable(gm)
     except BypassAOTAutogradCache as error:  # (torch <= 2.11: a checkpoint traced in the graph)
@@ -161,6 +187,7 @@ def unpack_graph(packed: bytes) -> tuple[torch.fx.GraphModule, list[Any]]:
     """pack_graph's graph module, as dynamo made it for AOTAutograd's cache key, and fake inputs."""
     inputs_mode = FakeTensorMode()
     loaded, fakes, sources, attributes, order = GraphPickler.loads(packed, inputs_mode)
+    fakes = [fake.rebuilt() if isinstance(fake, WrapperStandIn) else fake for fake in fakes]
     root = torch.nn.Module()  # holding the nested graphs the graph's get_attr nodes name
     for name, child in loaded.named_children():
         root.add_module(name, child)
