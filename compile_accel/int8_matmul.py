@@ -81,27 +81,25 @@ _CONFIGS = [
     (64, 64, 128, 4, 3),
 ]
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch path
+    triton = None
 
-@functools.cache
-def _kernel():
-    """The Triton kernel, built on first use; None without Triton (CPU-only installs)."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        warn(
-            "Triton is not installed: int8 base matmuls run as torch._int_mm and separate scale kernels, "
-            f"which is much slower (pip install {'triton-windows' if sys.platform == 'win32' else 'triton'})"
-        )
-        return None
-
-    configs = [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
-        for bm, bn, bk, w, s in _CONFIGS
-    ]
+# At module level: torch's precompiled graphs (compile_accel.precompile) find a Triton kernel
+# again by its module and name, so a kernel made inside a function is not found at the next start.
+scaled_int8_mm_kernel = None
+if triton is not None:
 
     # Tuned once per (n, k), a weight's shape; the row count changes with every aspect-ratio bucket.
-    @triton.autotune(configs=configs, key=["n", "k"])
+    @triton.autotune(
+        configs=[
+            triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
+            for bm, bn, bk, w, s in _CONFIGS
+        ],
+        key=["n", "k"],
+    )
     @triton.jit
     def scaled_int8_mm_kernel(
         a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, out_ptr,
@@ -142,4 +140,13 @@ def _kernel():
         out_tile = out_ptr + rows[:, None].to(tl.int64) * n + columns[None, :]
         tl.store(out_tile, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & column_mask[None, :])
 
+
+@functools.cache
+def _kernel():
+    """The Triton kernel; None without Triton (CPU-only installs), warned about once."""
+    if scaled_int8_mm_kernel is None:
+        warn(
+            "Triton is not installed: int8 base matmuls run as torch._int_mm and separate scale kernels, "
+            f"which is much slower (pip install {'triton-windows' if sys.platform == 'win32' else 'triton'})"
+        )
     return scaled_int8_mm_kernel

@@ -63,6 +63,7 @@ import torch.utils._pytree as pytree
 
 from .backend import flagged
 from .cache_files import write_atomically
+from .offload.conductor import weights_on_device
 from .stats import warn
 
 logger = logging.getLogger("compile_accel")
@@ -197,6 +198,8 @@ class Precompiled:
             owner = None if call.owner is None else call.owner()
             if call.owner is not None and owner is None:
                 continue  # the module is gone
+            if owner is not None:
+                weights_on_device(owner)  # (a streamed block's point at its host copy between calls)
             args = pytree.tree_map(_stand_in, call.args)
             kwargs = pytree.tree_map(_stand_in, call.kwargs)
             try:

@@ -23,11 +23,10 @@ from conftest import ONE_BLOCK_CLASS, build, inputs_for, lora_step, relative_err
 from torch.utils.checkpoint import checkpoint
 
 import compile_accel
-from compile_accel import CompileConfig, base_compute, base_compute_rewrite
+from compile_accel import CompileConfig, base_compute, base_compute_rewrite, int8_matmul
 from compile_accel.base_compute_probe import compare_compute
 from compile_accel.benchmarks.tiny_dit import make_inputs
 from compile_accel.int8 import quantize_int8
-from compile_accel.int8_matmul import scaled_int8_mm
 from compile_accel.int8_weight import Int8Weight
 from compile_accel.selective import RegionSpec
 
@@ -111,9 +110,10 @@ def test_int8_multiplies_an_int8_weight_as_it_is() -> None:
     grad = torch.randn(6, 40)
     out = base_compute.int8_linear(x, weight, None, torch.float32, True, True)
     out.backward(grad)
-    assert torch.equal(out, scaled_int8_mm(*quantize_int8(x.detach()), q, scale, None, torch.float32))
+    assert torch.equal(out, int8_matmul.scaled_int8_mm(*quantize_int8(x.detach()), q, scale, None, torch.float32))
     folded = quantize_int8(grad * scale)
-    assert torch.equal(x.grad, scaled_int8_mm(*folded, q.t().contiguous(), torch.ones(48), None, torch.float32))
+    expected_grad = int8_matmul.scaled_int8_mm(*folded, q.t().contiguous(), torch.ones(48), None, torch.float32)
+    assert torch.equal(x.grad, expected_grad)
     dense = base_compute.int8_linear(x, matrix, None, torch.float32, True, True)
     assert not torch.equal(x.grad, torch.autograd.grad(dense, x, grad)[0])
     assert relative_error(out, F.linear(x, matrix)) <= MAX_ERROR
@@ -832,3 +832,13 @@ def test_a_compile_worker_compiles_the_int8_graph(tmp_path: Path, monkeypatch: p
     stats = acceleration.stats()
     assert (stats["worker_graphs_compiled"], stats["worker_failures"], stats["fallbacks"]) == (1, [], [])
     assert stats["base_compute"]["in_8_bits"] == 4
+
+
+def test_a_precompiled_graph_finds_the_int8_kernel_again_by_its_module_and_name() -> None:
+    """torch's precompiled graphs (compile_accel.precompile) name the Triton kernels they launch by
+    module and name, and the next start imports them: a kernel made inside a function was not
+    found there, and every int8 graph compiled again (on an H200)."""
+    pytest.importorskip("triton")
+    aot_types = pytest.importorskip("torch._dynamo.aot_compile_types")
+    kernel = int8_matmul.scaled_int8_mm_kernel
+    assert aot_types._deserialize_triton_kernel(aot_types._serialize_triton_kernel(kernel)) is kernel

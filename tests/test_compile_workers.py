@@ -125,6 +125,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         gate = compile_workers.POOL.pool = _GatedPool(compile_workers.POOL.pool)
 
         record: dict[str, Any] = {"loss": [], "grads": [], "cache_dir": cache_dir}
+        # (graphs an earlier test in this process handed over and never ran compiled: not this model's)
+        elsewhere = compile_workers.pending()
         # Counters outlive dynamo's reset: this module's are the difference (read anew: torch
         # replaces the Counter while it compiles).
         counted_before = torch._dynamo.utils.counters["inductor"].copy()
@@ -141,18 +143,18 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         try:
             train(3)  # the compiling step, then two steps with every graph still in the workers
             record["before"] = acceleration.stats()
-            record["pending_before"] = compile_workers.pending()
+            record["pending_before"] = compile_workers.pending() - elsewhere
             uncompiled_steps = len(record["loss"])
         finally:  # else a failure here leaves graphs that never come back for later tests to wait on
             gate.open()
         record["still_compiling"] = compile_workers.wait()
         switched_before, artifacts_before = compile_workers.graphs_switched(), _aot_cache_artifacts()
-        record["pending_after_wait"] = compile_workers.pending()
+        record["pending_after_wait"] = compile_workers.pending() - elsewhere
         record["running_after_wait"] = compile_workers.running()  # the first step is not done yet
         compile_workers.first_step_done()
         record["running_after_first_step"] = compile_workers.running()
         train(2)  # the step that switches to the workers' graphs, then one on them
-        record["pending_after_switch"] = compile_workers.pending()
+        record["pending_after_switch"] = compile_workers.pending() - elsewhere
         record["graphs_switched"] = compile_workers.graphs_switched() - switched_before
         record["aot_artifacts_added"] = _aot_cache_artifacts() - artifacts_before
         record["after"] = acceleration.stats()

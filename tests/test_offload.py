@@ -271,6 +271,35 @@ def test_remove_gives_standalone_weights_back() -> None:
     BlockOffloadConductor(offload_fraction=0.5, device="cpu").attach(model.blocks)  # attachable again
 
 
+@pytest.mark.parametrize("offload_dtype", [None, "int8"])
+def test_weights_on_device_loads_a_streamed_block_between_its_calls(offload_dtype: str | None) -> None:
+    """Between its calls a streamed block's weights point at their host copy; weights_on_device
+    (a trace of the block outside the steps: precompile's capture) loads it into its slot, with
+    its values, as its next call would. A module no conductor holds is left as it is."""
+    model = Stack(n=6)
+    if offload_dtype == "int8":
+        for block in model.blocks:
+            int8_round_trip_(block)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    conductor = BlockOffloadConductor(offload_fraction=0.5, device="cpu", offload_dtype=offload_dtype)
+    conductor.attach(model.blocks)
+    step(model, stack_inputs())
+    away = [b.index for b in conductor.blocks if b.streamed and b.index not in conductor.resident_streamed_blocks()]
+    assert away  # (two slots, three streamed blocks)
+    index = away[0]
+    linear = next(m for m in model.blocks[index].modules() if isinstance(m, nn.Linear))
+    offload.conductor.weights_on_device(linear)  # a module inside the block
+    assert index in conductor.resident_streamed_blocks()
+    slots = {buffer.untyped_storage().data_ptr() for buffer in conductor._slots.buffers}
+    assert linear.weight.untyped_storage().data_ptr() in slots
+    prefix = f"blocks.{index}."
+    assert all(torch.equal(v, original[k]) for k, v in model.state_dict().items() if k.startswith(prefix))
+    lone = nn.Linear(2, 2)
+    before = _snapshot(lone)
+    offload.conductor.weights_on_device(lone)
+    assert _snapshot(lone) == before
+
+
 def _snapshot(model: nn.Module) -> list[tuple[int, torch.device]]:
     return [(p.untyped_storage().data_ptr(), p.device) for p in model.parameters()]
 
@@ -603,6 +632,14 @@ def test_held_weights_graphs_compile_in_the_workers_and_run_precompiled_at_the_n
         cache = RunCompileCache(model, acceleration.signature, acceleration)
         return model, resident, acceleration, cache, [block.index for block in conductor.blocks if block.streamed]
 
+    brought_in: list[nn.Module] = []
+    bring_in = BlockOffloadConductor.bring_in
+
+    def noted_bring_in(conductor: BlockOffloadConductor, module: nn.Module) -> None:
+        brought_in.append(module)
+        bring_in(conductor, module)
+
+    monkeypatch.setattr(BlockOffloadConductor, "bring_in", noted_bring_in)
     model, resident, acceleration, cache, streamed = start()
     with warnings.catch_warnings(record=True) as caught:  # (one would say a graph compiled here, or its first run failed)
         warnings.simplefilter("always")
@@ -615,6 +652,10 @@ def test_held_weights_graphs_compile_in_the_workers_and_run_precompiled_at_the_n
     assert stats["worker_graphs_compiled"] == stats["worker_graphs_started"] == 2 and not stats["worker_failures"]
     cache.save()
     assert cache.precompiling.join(timeout=600) == 2
+    # Each graph traced again on a block whose weights were where its calls find them (on a GPU a
+    # streamed one's point at their host copy between calls: the trace failed on a device mismatch).
+    # One call noted per graph: a resident block's and a streamed one's.
+    assert sorted(list(model.blocks).index(m) in streamed for m in brought_in) == [False, True]
 
     model, resident, acceleration, cache, streamed = start()
     _trains_as_resident_int8(model, acceleration, resident, streamed, reference, "cpu", graphs=0)

@@ -388,6 +388,14 @@ class BlockOffloadConductor:
             yield following
             previous, index = index, following
 
+    def bring_in(self, module: nn.Module) -> None:
+        """Load the streamed block that holds `module` (itself or a module inside it) into its
+        slot now, as its next call would; the next load into that slot evicts it as usual."""
+        block = next((b for b in self.blocks if any(m is module for m in b.module.modules())), None)
+        if block is not None and block.streamed:
+            self._load(block)
+            self._wait(block)
+
     def _load(self, block: BlockWeights, prefetch: bool = False) -> None:
         """Start copying the block's weights to the GPU (see `Slots.load`), and count the copy."""
         if self._slots.load(block):
@@ -447,6 +455,16 @@ def offload_fraction_ladder(blocks: Iterable[nn.Module]) -> OffloadLadder | None
         return None
     levels = spaced_levels(conductor.offload_fraction, 1.0)
     return OffloadLadder("offload_fraction", levels, conductor.set_offload_fraction)
+
+
+def weights_on_device(module: nn.Module) -> None:
+    """Put `module`'s weights where its calls find them: a block (or a module inside one) that a
+    conductor streams is loaded into its slot; between its calls its weights point at their host
+    copy, and a trace of it outside its calls (compile_accel.precompile's capture, after a step)
+    would see them there. Any other module is left as it is."""
+    conductor = _owner(module)
+    if conductor is not None:
+        conductor.bring_in(module)
 
 
 def _tensors(values: Any) -> list[torch.Tensor]:
