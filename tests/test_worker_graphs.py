@@ -223,6 +223,25 @@ def test_a_graph_that_compiles_neither_in_a_worker_nor_here_keeps_running_uncomp
     assert compile_workers.graphs_switched() == switched_before  # still uncompiled: nothing new to save
 
 
+def test_a_graph_whose_model_is_gone_is_neither_pending_nor_loaded() -> None:
+    """A graph handed over whose model (and dynamo's cache entry) was dropped before it ran
+    compiled (a trainer that builds its model again) is no one's: wait_and_load does not compile
+    it here nor run it on stand-ins, and pending() does not count it."""
+    x = torch.randn(3, 4)
+    gm, inputs = traced_graph(sine, x)
+    packed = compile_workers.packing.pack_graph(gm, inputs)
+    loads: list = []
+    back: concurrent.futures.Future = concurrent.futures.Future()
+    back.set_result(worker_report())
+    before = compile_workers.pending()
+    graph = WorkerGraph(gm, packed, lambda *_: loads.append(1), back, Stats(), "graph 9/0", checkpointed=False)
+    assert compile_workers.pending() == before + 1
+    del graph
+    gc.collect()
+    assert compile_workers.pending() == before
+    assert compile_workers.wait_and_load() == 0 and loads == []
+
+
 def test_wait_and_load_waits_for_the_workers_then_loads_their_graphs_before_their_next_call() -> None:
     """--compile_workers_wait: the end of the first step waits for the workers and loads what they
     compiled, so that the next step runs compiled from its first call; auto's held graphs stay."""
@@ -339,7 +358,8 @@ def test_each_graph_loaded_says_when_in_the_first_step_it_was_handed_over_back_a
     gm, inputs = traced_graph(sine, x)
     future: concurrent.futures.Future = concurrent.futures.Future()
     stats = Stats()
-    WorkerGraph(gm, compile_workers.packing.pack_graph(gm, inputs), loaded_by_hand([]), future, stats, "graph 14/0", False)
+    packed = compile_workers.packing.pack_graph(gm, inputs)
+    graph = WorkerGraph(gm, packed, loaded_by_hand([]), future, stats, "graph 14/0", False)
     time.sleep(0.3)
     future.set_result(WorkerCompile({}, time.time() - 0.1, 0.1, CompileClock().since()))  # queued 0.2 s, compiled 0.1 s
     assert compile_workers.wait_and_load() == 1
@@ -347,6 +367,7 @@ def test_each_graph_loaded_says_when_in_the_first_step_it_was_handed_over_back_a
     assert 0 <= record["handed_over_at_s"] < record["back_at_s"] <= record["loaded_at_s"]
     assert record["back_at_s"] - record["handed_over_at_s"] >= 0.29 and record["queued_s"] >= 0.19
     assert record["first_run_s"] >= 0  # run once on zeros (a forward and a backward)
+    assert graph.state is GraphState.LOADED
 
 
 def test_a_graph_with_integer_inputs_or_whose_first_run_fails_runs_compiled_from_its_next_call() -> None:

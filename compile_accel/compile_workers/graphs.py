@@ -1,7 +1,7 @@
 """The graphs handed to the compile workers (WorkerGraph): each runs as dynamo traced it until its
 worker is back, then is compiled here from the caches the worker filled, at a call where that is
-safe, and runs compiled. Every graph handed over and not yet running compiled is in HANDED_OVER;
-`wait`, `wait_and_load` and `step_started` act on them all."""
+safe, and runs compiled. Every graph handed over and not yet running compiled, while its model
+lives, is in HANDED_OVER; `wait`, `wait_and_load` and `step_started` act on them all."""
 
 from __future__ import annotations
 
@@ -38,15 +38,19 @@ class HandedOver:
     """The graphs of this process handed to the workers (one: HANDED_OVER), under POOL.lock."""
 
     def __init__(self) -> None:
-        self.graphs: list[WorkerGraph] = []  # not yet switched, as handed over
+        # Not yet switched, as handed over; weakly: a graph whose model (and dynamo's cache entry)
+        # is gone is no one's to wait for, load or run.
+        self.graphs: list[weakref.ref[WorkerGraph]] = []
         self.held: set[int] = set()  # id()s of the Stats whose graphs hold_switches keeps uncompiled
         self.switched = 0  # graphs that run compiled here now, for the rest of the process
         self.first_step_start: float | None = None  # time.time() at the first step_started()
 
     def unswitched(self) -> list[WorkerGraph]:
         """The graphs still compiling or back (the switched ones dropped: step_started runs every step)."""
-        self.graphs[:] = [graph for graph in self.graphs if graph.state in (GraphState.COMPILING, GraphState.BACK)]
-        return self.graphs
+        live = [graph for graph in (ref() for ref in self.graphs) if graph is not None]
+        unswitched = [graph for graph in live if graph.state in (GraphState.COMPILING, GraphState.BACK)]
+        self.graphs[:] = [weakref.ref(graph) for graph in unswitched]
+        return unswitched
 
 
 HANDED_OVER = HandedOver()
@@ -169,7 +173,7 @@ class WorkerGraph:
         self._record: dict[str, Any] | None = None  # its entry in stats.worker_compiles, once loaded
         self._handed_over = time.time()  # (a hair after the submit; WorkerCompile.started is on this clock)
         with POOL.lock:
-            HANDED_OVER.graphs.append(self)
+            HANDED_OVER.graphs.append(weakref.ref(self))
 
     def __call__(self, *inputs: Any) -> Any:
         if id(self._stats) not in HANDED_OVER.held and (
