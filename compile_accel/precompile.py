@@ -198,14 +198,16 @@ class Precompiled:
             owner = None if call.owner is None else call.owner()
             if call.owner is not None and owner is None:
                 continue  # the module is gone
-            if owner is not None:
-                weights_on_device(owner)  # (a streamed block's point at its host copy between calls)
             args = pytree.tree_map(_stand_in, call.args)
             kwargs = pytree.tree_map(_stand_in, call.kwargs)
             try:
+                if owner is not None:  # (a streamed block's weights point at their host copy between calls)
+                    weights_on_device(owner)
                 with _entered(call.context), torch._dynamo.config.patch(enable_aot_compile=True):
                     compiled = compile_for(budget).aot_compile((args if owner is None else (owner, *args), kwargs))
-            except Exception as error:  # torch's own refusals: a graph break, a guard it cannot save
+            # torch's own refusals (a graph break, a guard it cannot save), or a streamed block that
+            # could not be loaded: that graph is left out, the training goes on
+            except Exception as error:
                 _left_out(self.name, call.kind, error)
                 continue
             captured.append((call.kind, call.context, budget, compiled))
